@@ -1,0 +1,45 @@
+"""The engine: DecentralizedDataParallel, its topologies and optimizers."""
+
+from decent_train.engine.ddp import LR_SCHEDULER_FN_TYPE, OPTIM_FN_TYPE, DecentralizedDataParallel
+from decent_train.engine.optim import (
+    AccumAdam,
+    AccumAdamW,
+    lr_scheduler_fn_cosine_with_warmup,
+    optim_fn_accum_adam,
+    optim_fn_accum_adamw,
+    optim_fn_adam,
+    optim_fn_adamw,
+    optim_fn_sgd,
+)
+from decent_train.engine.topology import (
+    Edge,
+    Topology,
+    TopologyReg,
+    build_topology,
+    get_topology_class,
+    register_topology,
+    topology_names,
+)
+from decent_train.engine.utils import initialize_dist
+
+__all__ = [
+    "DecentralizedDataParallel",
+    "OPTIM_FN_TYPE",
+    "LR_SCHEDULER_FN_TYPE",
+    "AccumAdam",
+    "AccumAdamW",
+    "optim_fn_adam",
+    "optim_fn_adamw",
+    "optim_fn_accum_adam",
+    "optim_fn_accum_adamw",
+    "optim_fn_sgd",
+    "lr_scheduler_fn_cosine_with_warmup",
+    "Edge",
+    "Topology",
+    "TopologyReg",
+    "build_topology",
+    "get_topology_class",
+    "register_topology",
+    "topology_names",
+    "initialize_dist",
+]

@@ -1,0 +1,533 @@
+"""DecentralizedDataParallel: gossip averaging of parameters, overlapped with backward and the next forward.
+
+Each worker keeps its own parameters x_i. At optimizer step s (s = 0, 1, ...)::
+
+    x_i^{s+1} = sum_j W(s)_ij x_j^s  -  U_i(grad f_i(x_i^s))
+
+W(s) is the mixing matrix of the topology's round ``s mod period``; the gradient is taken at the un-mixed local x_i^s.
+
+How one iteration runs. Parameters are grouped into buckets (one dtype and device each, in approximate
+gradient-ready order). When every gradient of a bucket has arrived during backward, and the buckets before it are
+done, the bucket
+
+1. waits for the exchange of x^s that it launched one iteration earlier and mixes it in (``x <- W(s) x``),
+2. steps its own optimizer and LR scheduler (optimizer-in-backward), and
+3. launches the exchange of x^{s+1} with its group of round s+1, asynchronously.
+
+So the exchange overlaps the rest of backward, data loading and the next forward. A pair exchanges by one
+send/receive straight from the parameter memory and one average; a larger group all-reduces a copy. With gradient
+clipping or a GradScaler every gradient must be known before any bucket steps (global norm, overflow on any worker),
+so steps move to the end of backward; the exchange still overlaps the next forward.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from loguru import logger
+from torch import Tensor, nn
+from torch.autograd import Variable
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from decent_train.engine.optim import LRSchedulerFn, OptimFn
+from decent_train.engine.topology import Edge, Topology, get_topology_class
+
+__all__ = ["DecentralizedDataParallel", "OPTIM_FN_TYPE", "LR_SCHEDULER_FN_TYPE"]
+
+OPTIM_FN_TYPE = OptimFn
+LR_SCHEDULER_FN_TYPE = LRSchedulerFn
+
+_ALIGN = 32  # elements: every parameter starts 64-256 bytes aligned inside its bucket
+
+
+@dataclass
+class _Exchange:
+    """An exchange in flight: the group it was launched in and the handles to wait on."""
+
+    edge: Edge
+    works: list[Any]
+
+
+@dataclass
+class _Bucket:
+    """Parameters of one dtype and device that mix, step and exchange together.
+
+    ``flat`` holds the parameter values (the parameters are views of it with ``param_as_bucket_view``; otherwise it is
+    a staging copy). ``comm`` receives the neighbours' values.
+    """
+
+    index: int
+    names: list[str]
+    params: list[nn.Parameter]
+    flat: Tensor
+    comm: Tensor
+    views: list[Tensor]  # each parameter's slice of ``flat``
+    comm_views: list[Tensor]  # each parameter's slice of ``comm``
+    optimizer: Optimizer
+    scheduler: LRScheduler | None
+    pending: _Exchange | None = None
+    ready: int = 0  # parameters whose gradient arrived in this backward
+
+    @property
+    def complete(self) -> bool:
+        return self.ready == len(self.params)
+
+    def has_grads(self) -> bool:
+        return any(p.grad is not None for p in self.params)
+
+
+@dataclass
+class _GlobalAverage:
+    """Local values saved by ``global_avg(will_revert=True)`` so ``revert_global_avg`` can restore them."""
+
+    params: list[Tensor]
+    buffers: list[Tensor] = field(default_factory=list)
+
+
+def _aligned(numel: int) -> int:
+    return -(-numel // _ALIGN) * _ALIGN
+
+
+def _layout_is_supported(p: Tensor) -> bool:
+    """Dense, non-overlapping layouts that a slice of a flat buffer can reproduce with ``as_strided``."""
+    return (
+        p.is_contiguous()
+        or (p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last))
+        or (p.dim() == 5 and p.is_contiguous(memory_format=torch.channels_last_3d))
+    )
+
+
+def _slice_like(flat: Tensor, offset: int, like: Tensor) -> Tensor:
+    """A view of ``flat`` at ``offset`` with the shape and strides (memory format) of ``like``."""
+    return flat.as_strided(like.shape, like.stride(), offset)
+
+
+class DecentralizedDataParallel(nn.Module):
+    """Wraps a model for decentralized data-parallel training (a drop-in for decent-dp 0.2.3's class).
+
+    Args:
+        model: the model, already on its device. Buffers and all parameters (frozen ones too) are broadcast from
+            rank 0 at construction.
+        optim_fn: builds the optimizer of one bucket from its list of ``(name, parameter)``.
+        lr_scheduler_fn: builds the LR scheduler of one bucket's optimizer; stepped once per optimizer step.
+        topology: a registered topology name (see ``topology_names()``), a Topology subclass or an instance.
+        scaler: a GradScaler for float16 mixed precision; its scale stays equal on all workers (an overflow on any
+            worker skips the step on all).
+        grad_clip_norm: clip each worker's gradient by the norm of the whole model (0 disables).
+        param_as_bucket_view: parameters become views of their bucket's flat buffer (saves a copy per exchange).
+        sync_buffer_in_global_avg: ``global_avg`` also averages floating-point buffers (e.g. BatchNorm statistics).
+        bucket_size_in_mb: target bucket size; 0 gives one bucket per parameter.
+        local_world_size: workers per node (topologies such as alternating-exp-ring use it); defaults to
+            ``$LOCAL_WORLD_SIZE`` or 1. ``_local_world_size`` is decent-dp's spelling.
+    """
+
+    FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optim_fn: OptimFn,
+        lr_scheduler_fn: LRSchedulerFn | None = None,
+        topology: str | Topology | type[Topology] = "complete",
+        scaler: torch.amp.GradScaler | None = None,
+        grad_clip_norm: float = 0.0,
+        param_as_bucket_view: bool = True,
+        sync_buffer_in_global_avg: bool = False,
+        bucket_size_in_mb: float = 25,
+        local_world_size: int | None = None,
+        _local_world_size: int | None = None,
+    ):
+        super().__init__()
+        if grad_clip_norm < 0:
+            raise ValueError(f"grad_clip_norm must be >= 0 (0 disables clipping), got {grad_clip_norm}")
+        if bucket_size_in_mb < 0:
+            raise ValueError(f"bucket_size_in_mb must be >= 0, got {bucket_size_in_mb}")
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self._rank = dist.get_rank() if self._distributed else 0
+        self._world_size = dist.get_world_size() if self._distributed else 1
+        if self._world_size > 1 and not self._distributed:
+            raise RuntimeError("call torch.distributed.init_process_group() before DecentralizedDataParallel")
+        if local_world_size is None:
+            local_world_size = _local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if self._distributed and dist.get_backend() == "nccl" and next(model.parameters()).device.type == "cpu":
+            model = model.to(torch.device("cuda", torch.cuda.current_device()))
+        self.module = model
+        self._topo = self._build_topology(topology, local_world_size)
+        self._scaler = scaler
+        self._grad_clip_norm = float(grad_clip_norm)
+        self._param_as_bucket_view = param_as_bucket_view
+        self._sync_buffer_in_global_avg = sync_buffer_in_global_avg
+        self._adaptive_factor = 1.0
+        # Steps wait for the end of backward when they need every gradient first.
+        self._defer_steps = self._grad_clip_norm > 0 or (scaler is not None and scaler.is_enabled())
+
+        self._step = 0  # optimizer steps taken: the round of the next mix
+        self._accumulating = False
+        self._armed = False  # a training forward ran since the last step
+        self._backward_started = False
+        self._next_bucket = 0  # buckets are processed strictly in index order (same on all ranks)
+        self._ready_params: set[int] = set()
+        self._global_average: _GlobalAverage | None = None
+        self.comm_wait_seconds = 0.0  # time blocked waiting for exchanges (observability)
+
+        self._check_same_model_everywhere()
+        self._broadcast_from_rank0()
+        self._buckets = self._build_buckets(optim_fn, lr_scheduler_fn, bucket_size_in_mb * 2**20)
+        for bucket in self._buckets:
+            for param in bucket.params:
+                param.register_post_accumulate_grad_hook(lambda p, b=bucket: self._on_grad_ready(b, p))
+        if self._world_size > 1:
+            self._topo.create_groups()
+        if self._rank == 0:
+            sizes = ", ".join(f"{b.flat.numel() * b.flat.element_size() / 2**20:.2f}" for b in self._buckets)
+            logger.debug(f"DecentralizedDataParallel: {self._topo.describe()}; {len(self._buckets)} buckets (MB: {sizes})")
+
+    # -- construction -------------------------------------------------------------------------------------------
+    def _build_topology(self, topology: str | Topology | type[Topology], local_world_size: int) -> Topology:
+        if isinstance(topology, Topology):
+            if topology.world_size != self._world_size:
+                raise ValueError(f"topology built for {topology.world_size} workers, but the world has {self._world_size}")
+            return topology
+        cls = topology if isinstance(topology, type) else get_topology_class(topology)
+        return cls(local_world_size=local_world_size, world_size=self._world_size, rank=self._rank)
+
+    def _check_same_model_everywhere(self) -> None:
+        if self._world_size == 1:
+            return
+        mine = [(n, tuple(t.shape), str(t.dtype)) for n, t in self._state_tensors()]
+        theirs = [mine]
+        dist.broadcast_object_list(theirs, src=0)
+        for here, there in itertools.zip_longest(mine, theirs[0]):
+            if here != there:
+                raise RuntimeError(f"rank {self._rank}'s model differs from rank 0's: {here} here, {there} on rank 0")
+
+    def _state_tensors(self) -> list[tuple[str, Tensor]]:
+        return list(self.module.named_parameters()) + list(self.module.named_buffers())
+
+    @torch.no_grad()
+    def _broadcast_from_rank0(self) -> None:
+        """All workers start from rank 0's parameters, frozen parameters and buffers."""
+        if self._world_size > 1:
+            for _, tensor in self._state_tensors():
+                dist.broadcast(tensor.data, src=0)
+
+    @torch.no_grad()
+    def _build_buckets(self, optim_fn: OptimFn, lr_scheduler_fn: LRSchedulerFn | None, capacity: float) -> list[_Bucket]:
+        """Group trainable parameters into buckets of one dtype and device each.
+
+        Reverse registration order approximates the order in which backward produces gradients (torch DDP's first
+        guess too); any other order is still correct, since readiness is counted per parameter.
+        """
+        trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        for name, p in trainable:
+            if not _layout_is_supported(p):
+                raise ValueError(f"parameter '{name}' has strides {p.stride()}: only dense contiguous or channels_last layouts are supported")
+        groups: list[list[tuple[str, nn.Parameter]]] = []
+        open_group: dict[tuple[torch.dtype, torch.device], list[tuple[str, nn.Parameter]]] = {}
+        open_bytes: dict[tuple[torch.dtype, torch.device], int] = {}
+        for name, p in reversed(trainable):
+            key = (p.dtype, p.device)
+            if key not in open_group:
+                open_group[key], open_bytes[key] = [], 0
+                groups.append(open_group[key])
+            open_group[key].append((name, p))
+            open_bytes[key] += _aligned(p.numel()) * p.element_size()
+            if open_bytes[key] >= capacity:
+                del open_group[key]
+        order = {id(p): i for i, (_, p) in enumerate(reversed(trainable))}
+        groups.sort(key=lambda g: order[id(g[-1][1])])
+        return [self._make_bucket(i, g, optim_fn, lr_scheduler_fn) for i, g in enumerate(groups)]
+
+    def _make_bucket(
+        self,
+        index: int,
+        named: list[tuple[str, nn.Parameter]],
+        optim_fn: OptimFn,
+        lr_scheduler_fn: LRSchedulerFn | None,
+    ) -> _Bucket:
+        names, params = [n for n, _ in named], [p for _, p in named]
+        offsets, total = [], 0
+        for p in params:
+            offsets.append(total)
+            total += _aligned(p.numel())
+        flat = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+        comm = torch.zeros_like(flat)
+        views = [_slice_like(flat, o, p) for o, p in zip(offsets, params)]
+        comm_views = [_slice_like(comm, o, p) for o, p in zip(offsets, params)]
+        torch._foreach_copy_(views, [p.data for p in params])
+        if self._param_as_bucket_view:
+            for p, view in zip(params, views):
+                p.data = view
+        optimizer = optim_fn(list(zip(names, params)))
+        if hasattr(optimizer, "pre_average_hook"):  # decent-dp's extension point reads the received values here
+            for p, view in zip(params, comm_views):
+                p.comm_buffer = view  # type: ignore[attr-defined]
+        scheduler = lr_scheduler_fn(optimizer) if lr_scheduler_fn is not None else None
+        return _Bucket(index, names, params, flat, comm, views, comm_views, optimizer, scheduler)
+
+    # -- training -----------------------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.training and torch.is_grad_enabled() and not self._accumulating:
+            if self._global_average is not None:
+                logger.warning(
+                    "training resumed after global_avg(will_revert=True) without revert_global_avg(): "
+                    "continuing from the global average (as global_avg(will_revert=False))"
+                )
+                self._drop_pending_exchanges()
+            self._armed = True
+        return self.module(*args, **kwargs)
+
+    def set_accumulate_grad(self, enable: bool = True) -> None:
+        """While enabled, backward only accumulates gradients: no step, no exchange (for micro-batches)."""
+        self._accumulating = enable
+
+    def _on_grad_ready(self, bucket: _Bucket, param: nn.Parameter) -> None:
+        if self._accumulating:
+            return
+        if not self._armed:
+            raise RuntimeError(
+                "DecentralizedDataParallel: backward ran again without a training forward since the last optimizer "
+                "step (two backward passes per forward would step twice). Sum the losses and call backward once, "
+                "or use set_accumulate_grad(True) for all but the last micro-batch."
+            )
+        if id(param) in self._ready_params:
+            raise RuntimeError(
+                f"DecentralizedDataParallel: parameter '{bucket.names[bucket.params.index(param)]}' received its "
+                "gradient twice in one backward (reentrant activation checkpointing?); use use_reentrant=False"
+            )
+        self._ready_params.add(id(param))
+        bucket.ready += 1
+        if not self._backward_started:
+            self._backward_started = True
+            Variable._execution_engine.queue_callback(self._finish_backward)
+        if not self._defer_steps:
+            while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].complete:
+                self._process(self._buckets[self._next_bucket])
+                self._next_bucket += 1
+
+    @torch.no_grad()
+    def _finish_backward(self) -> None:
+        """End of backward: step what is left (all buckets when steps are deferred), then advance the step."""
+        remaining = self._buckets[self._next_bucket :]
+        if self._defer_steps:
+            self._prepare_deferred_steps()
+        for bucket in remaining:
+            self._process(bucket)
+        if self._scaler is not None:
+            self._scaler.update()
+        for bucket in self._buckets:
+            bucket.ready = 0
+        self._ready_params.clear()
+        self._next_bucket = 0
+        self._armed = self._backward_started = False
+        self._step += 1
+
+    def _prepare_deferred_steps(self) -> None:
+        """Unscale, agree on overflow across all workers, and clip by the whole model's gradient norm."""
+        if self._scaler is not None and self._scaler.is_enabled():
+            with_grads = [b for b in self._buckets if b.has_grads()]
+            for bucket in with_grads:
+                self._scaler.unscale_(bucket.optimizer)
+            found = [t for b in with_grads for t in self._scaler._found_inf_per_device(b.optimizer).values()]
+            if found:
+                overflow = torch.stack([t.float() for t in found]).amax().reshape(1)
+                if self._world_size > 1:
+                    dist.all_reduce(overflow, op=dist.ReduceOp.MAX)
+                for t in found:
+                    t.copy_(overflow.reshape(()))
+        if self._grad_clip_norm > 0:
+            grads = [p for b in self._buckets for p in b.params if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(grads, self._grad_clip_norm)
+
+    @torch.no_grad()
+    def _process(self, bucket: _Bucket) -> None:
+        """Mix with the neighbours' x^s, take the local step, launch the exchange of x^{s+1}."""
+        self._mix(bucket)
+        if self._scaler is not None:
+            if bucket.has_grads():
+                self._scaler.step(bucket.optimizer)
+        else:
+            bucket.optimizer.step()
+        bucket.optimizer.zero_grad(set_to_none=True)
+        if bucket.scheduler is not None:
+            bucket.scheduler.step()
+        self._launch(bucket, self._topo.edge(self._step + 1))
+
+    # -- the exchange -------------------------------------------------------------------------------------------
+    def _launch(self, bucket: _Bucket, edge: Edge) -> None:
+        if edge.size == 1:
+            return
+        if not self._param_as_bucket_view:
+            torch._foreach_copy_(bucket.views, [p.data for p in bucket.params])
+        if edge.size == 2:
+            peer = edge.ranks[0] if edge.ranks[1] == self._rank else edge.ranks[1]
+            works = dist.batch_isend_irecv(
+                [
+                    dist.P2POp(dist.isend, bucket.flat, peer, tag=bucket.index),
+                    dist.P2POp(dist.irecv, bucket.comm, peer, tag=bucket.index),
+                ]
+            )
+        else:
+            bucket.comm.copy_(bucket.flat)
+            works = [dist.all_reduce(bucket.comm, group=edge.group, async_op=True)]
+        bucket.pending = _Exchange(edge, works)
+
+    def _wait(self, bucket: _Bucket) -> _Exchange | None:
+        exchange, bucket.pending = bucket.pending, None
+        if exchange is not None:
+            start = time.perf_counter()
+            for work in exchange.works:
+                work.wait()
+            self.comm_wait_seconds += time.perf_counter() - start
+        return exchange
+
+    def _mix(self, bucket: _Bucket) -> None:
+        """x <- (1 - a) x + a (W x), a being the adaptive factor, from what the exchange delivered into ``comm``.
+
+        A pair delivers the peer's x_j; a larger group delivers the sum over the group (own x included).
+        """
+        exchange = self._wait(bucket)
+        if exchange is None:
+            return
+        edge, alpha = exchange.edge, self._adaptive_factor
+        neighbor = 1.0 / edge.size if edge.is_uniform else edge.neighbor_weight
+        own_excess = 0.0 if edge.is_uniform else edge.weight - neighbor  # weight of x_i beyond the sum's share
+        if hasattr(bucket.optimizer, "pre_average_hook"):
+            # decent-dp's contract: comm_buffer holds neighbor * (sum over the group) when the hook runs.
+            if edge.size == 2:
+                bucket.comm.add_(bucket.flat)
+            bucket.comm.mul_(neighbor)
+            bucket.optimizer.pre_average_hook(edge, edge.weight)
+            own, other = 1.0 - alpha + alpha * own_excess, alpha
+        elif edge.size == 2:
+            own, other = 1.0 - alpha * (1.0 - edge.weight), alpha * (1.0 - edge.weight)
+        else:
+            own, other = 1.0 - alpha + alpha * own_excess, alpha * neighbor
+        if own == 0.0:
+            torch.mul(bucket.comm, other, out=bucket.flat)
+        else:
+            bucket.flat.mul_(own).add_(bucket.comm, alpha=other)
+        if not self._param_as_bucket_view:
+            torch._foreach_copy_([p.data for p in bucket.params], bucket.views)
+
+    def _drop_pending_exchanges(self) -> None:
+        """Forget in-flight exchanges after waiting for them (workers are at consensus: the next mix is the identity)."""
+        for bucket in self._buckets:
+            self._wait(bucket)
+        self._global_average = None
+
+    # -- evaluation ---------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def global_avg(self, will_revert: bool = True, return_d2c: bool = False) -> float | None:
+        """Replace every worker's parameters by the exact global average (for evaluation).
+
+        ``will_revert=True`` keeps the local values (and pending exchanges) for ``revert_global_avg()``; with False
+        the average persists and training continues from it. ``return_d2c`` returns this worker's L2 distance to the
+        average. Costs one blocking all-reduce of the parameters.
+        """
+        for bucket in self._buckets:  # in-flight sends read the parameters: let them finish first
+            if bucket.pending is not None:
+                self._wait_keep(bucket)
+        params = [p for b in self._buckets for p in b.params]
+        buffers = self._float_buffers() if self._sync_buffer_in_global_avg else []
+        if self._global_average is None:
+            self._global_average = _GlobalAverage(
+                params=[p.detach().clone() for p in params], buffers=[t.clone() for t in buffers]
+            )
+        local = self._global_average.params
+        for tensor in [b.flat for b in self._buckets] if self._param_as_bucket_view else [p.data for p in params]:
+            self._average_in_place(tensor)
+        for tensor in buffers:
+            self._average_in_place(tensor)
+        d2c = None
+        if return_d2c:
+            d2c = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(torch._foreach_sub(params, local))).double()))
+        if not will_revert:
+            self._drop_pending_exchanges()
+        return d2c
+
+    def _wait_keep(self, bucket: _Bucket) -> None:
+        """Complete an exchange but keep it pending, so its data is still mixed in at the next step."""
+        exchange = self._wait(bucket)
+        bucket.pending = _Exchange(exchange.edge, []) if exchange is not None else None
+
+    def _average_in_place(self, tensor: Tensor) -> None:
+        if self._world_size > 1:
+            dist.all_reduce(tensor)
+            tensor.div_(self._world_size)
+
+    def _float_buffers(self) -> list[Tensor]:
+        return [b.data for b in self.module.buffers() if b.dtype in self.FLOAT_DTYPES]
+
+    @torch.no_grad()
+    def revert_global_avg(self) -> None:
+        """Restore the local parameters (and buffers) saved by ``global_avg(will_revert=True)``."""
+        if self._global_average is None:
+            raise RuntimeError("revert_global_avg(): no global_avg(will_revert=True) to revert")
+        params = [p.data for b in self._buckets for p in b.params]
+        torch._foreach_copy_(params, self._global_average.params)
+        if self._global_average.buffers:
+            torch._foreach_copy_(self._float_buffers(), self._global_average.buffers)
+        self._global_average = None
+
+    # -- accessors ----------------------------------------------------------------------------------------------
+    def get_lr(self) -> float:
+        """Learning rate of the first bucket's first parameter group."""
+        return float(self._buckets[0].optimizer.param_groups[0]["lr"]) if self._buckets else 0.0
+
+    def set_adaptive_factor(self, factor: float) -> None:
+        """Damp mixing: x <- (1 - factor) x + factor (W x). 1 is plain gossip, 0 disables mixing."""
+        if not 0.0 <= factor <= 1.0:
+            raise ValueError(f"adaptive factor must be in [0, 1], got {factor}")
+        self._adaptive_factor = float(factor)
+
+    @property
+    def topology(self) -> Topology:
+        return self._topo
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken so far."""
+        return self._step
+
+    @property
+    def optimizers(self) -> list[Optimizer]:
+        return [b.optimizer for b in self._buckets]
+
+    @property
+    def lr_schedulers(self) -> list[LRScheduler | None]:
+        return [b.scheduler for b in self._buckets]
+
+    _optims = optimizers  # decent-dp's private names, used by its users' checkpoint code
+    _lr_schedulers = lr_schedulers
+
+    @property
+    def bucket_names(self) -> list[list[str]]:
+        """Parameter names of each bucket, in processing order."""
+        return [list(b.names) for b in self._buckets]
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The bare model's state_dict: no wrapper prefix, loads straight into the unwrapped model."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
+        """Loads a bare state_dict, or one saved with decent-dp's ``_model.`` / DDP's ``module.`` prefix."""
+        for prefix in ("_model.", "module."):
+            if state_dict and all(k.startswith(prefix) for k in state_dict):
+                state_dict = {k[len(prefix) :]: v for k, v in state_dict.items()}
+        with torch.no_grad():
+            return self.module.load_state_dict(state_dict, strict=strict)

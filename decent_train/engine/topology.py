@@ -1,0 +1,337 @@
+"""Topologies: who averages parameters with whom at each optimizer step.
+
+A topology is a periodic schedule of *rounds*. Each round partitions the workers into groups; at step ``s`` every
+worker averages its parameters inside its group of round ``s mod period``. The mixing matrix of a round is
+block-diagonal: member ``i`` of a group of ``m`` keeps ``weight`` of its own model and takes ``(1 - weight) / (m - 1)``
+of each other member's (``weight = 1/m`` is the uniform average all built-ins use).
+
+The schedule is pure data (no process groups) so the launcher can validate a topology against a world size before any
+worker starts; :meth:`Topology.create_groups` binds it to ``torch.distributed`` inside the workers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = [
+    "Edge",
+    "Topology",
+    "TopologyReg",
+    "register_topology",
+    "topology_names",
+    "get_topology_class",
+    "build_topology",
+]
+
+
+@dataclass
+class Edge:
+    """One group of one round (decent-dp's name for it).
+
+    ``weight`` is the fraction a member keeps of its own model; every other member contributes ``(1-weight)/(m-1)``.
+    It defaults to the uniform average ``1/m``. ``group`` is the process group, set by :meth:`Topology.create_groups`
+    for groups of three or more (pairs exchange point-to-point and need none).
+    """
+
+    ranks: list[int]
+    weight: float | None = None
+    group: ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        self.ranks = sorted(int(r) for r in self.ranks)
+        if self.weight is None:
+            self.weight = 1.0 / max(len(self.ranks), 1)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def neighbor_weight(self) -> float:
+        """Coefficient of each other member's model: ``(1 - weight) / (m - 1)``."""
+        return (1.0 - self.weight) / (self.size - 1) if self.size > 1 else 0.0
+
+    @property
+    def is_uniform(self) -> bool:
+        return self.size <= 1 or math.isclose(self.weight, 1.0 / self.size, rel_tol=0.0, abs_tol=1e-15)
+
+
+class Topology:
+    """Base class: subclasses return the rounds from :meth:`_get_topo_edges` (decent-dp's extension point).
+
+    Inside ``_get_topo_edges`` the attributes ``_world_size``, ``_local_world_size``, ``_n_nodes`` and ``_rank`` are
+    available. Size constraints are reported by raising ``ValueError`` with a message that says which sizes work.
+    """
+
+    name: ClassVar[str] = "custom"
+
+    def __init__(self, local_world_size: int | None = None, world_size: int | None = None, rank: int | None = None):
+        if world_size is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError("Topology needs world_size= or an initialized torch.distributed process group")
+            world_size = dist.get_world_size()
+        if rank is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        local_world_size = 1 if local_world_size is None else int(local_world_size)
+        if world_size < 1:
+            raise ValueError(f"world size must be >= 1, got {world_size}")
+        if local_world_size < 1 or world_size % local_world_size != 0:
+            raise ValueError(
+                f"local world size {local_world_size} must be >= 1 and divide the world size {world_size}"
+            )
+        self._world_size = int(world_size)
+        self._local_world_size = local_world_size
+        self._n_nodes = world_size // local_world_size
+        self._rank = int(rank)
+        self.rounds: list[list[Edge]] = self._get_topo_edges()
+        self._validate(self.rounds)
+
+    # -- schedule ---------------------------------------------------------------------------------------------
+    def _get_topo_edges(self) -> list[list[Edge]]:
+        raise NotImplementedError("a Topology subclass must implement _get_topo_edges()")
+
+    def _validate(self, rounds: list[list[Edge]]) -> None:
+        n = self._world_size
+        label = f"topology '{self.name}' (world size {n})"
+        if not rounds:
+            raise ValueError(f"{label}: needs at least one round, got none")
+        for r, edges in enumerate(rounds):
+            seen: dict[int, int] = {}
+            for edge in edges:
+                if not edge.ranks:
+                    raise ValueError(f"{label}: round {r} has an empty group")
+                if not 0.0 <= edge.weight <= 1.0:
+                    raise ValueError(f"{label}: round {r} group {edge.ranks} has weight {edge.weight}; valid: 0..1")
+                for rank in edge.ranks:
+                    if not 0 <= rank < n:
+                        raise ValueError(f"{label}: round {r} names rank {rank}; valid ranks are 0..{n - 1}")
+                    if rank in seen:
+                        raise ValueError(f"{label}: round {r} puts rank {rank} in more than one group")
+                    seen[rank] = 1
+            missing = sorted(set(range(n)) - set(seen))
+            if missing:
+                raise ValueError(f"{label}: round {r} leaves ranks {missing} out of every group")
+
+    @property
+    def period(self) -> int:
+        return len(self.rounds)
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def edge(self, step: int, rank: int | None = None) -> Edge:
+        """The group ``rank`` (default: this worker) averages in at optimizer step ``step``."""
+        rank = self._rank if rank is None else rank
+        for edge in self.rounds[step % self.period]:
+            if rank in edge.ranks:
+                return edge
+        raise AssertionError("unreachable: validated topologies cover every rank")
+
+    get_edge = edge  # decent-dp's name
+
+    # -- analysis -----------------------------------------------------------------------------------------------
+    def mixing_matrix(self, round_index: int) -> torch.Tensor:
+        """The ``n x n`` doubly stochastic matrix W of one round (float64): ``x_new = W @ x``."""
+        n = self._world_size
+        w = torch.zeros(n, n, dtype=torch.float64)
+        for edge in self.rounds[round_index % self.period]:
+            for i in edge.ranks:
+                for j in edge.ranks:
+                    w[i, j] = edge.weight if i == j else edge.neighbor_weight
+        return w
+
+    def period_matrix(self) -> torch.Tensor:
+        """Product ``W(p-1) ... W(1) W(0)`` of one period."""
+        product = torch.eye(self._world_size, dtype=torch.float64)
+        for r in range(self.period):
+            product = self.mixing_matrix(r) @ product
+        return product
+
+    def spectral_gap(self) -> float:
+        """``1 - ||P - J/n||_2`` for the period product P: how much one period shrinks the spread around the mean.
+
+        1 means exact averaging every period (``complete``), 0 means the workers never reach consensus.
+        """
+        n = self._world_size
+        deviation = self.period_matrix() - torch.full((n, n), 1.0 / n, dtype=torch.float64)
+        return float(1.0 - torch.linalg.matrix_norm(deviation, ord=2))
+
+    def describe(self) -> str:
+        rounds = "; ".join(
+            f"round {r}: " + " ".join("(" + ",".join(map(str, e.ranks)) + ")" for e in edges)
+            for r, edges in enumerate(self.rounds)
+        )
+        return (
+            f"{self.name}: {self._world_size} workers ({self._n_nodes} nodes x {self._local_world_size}), "
+            f"period {self.period}, spectral gap {self.spectral_gap():.4f}; {rounds}"
+        )
+
+    # -- binding to torch.distributed ---------------------------------------------------------------------------
+    def create_groups(self) -> None:
+        """Create one process group per distinct group of >= 3 ranks (collective: every rank, same order)."""
+        groups: dict[tuple[int, ...], ProcessGroup] = {}
+        for edges in self.rounds:
+            for edge in edges:
+                key = tuple(edge.ranks)
+                if len(key) >= 3 and key not in groups:
+                    groups[key] = dist.new_group(list(key))
+                edge.group = groups.get(key)
+
+
+class TopologyReg:
+    """Name -> Topology class (decent-dp compatible: ``@TopologyReg.register("name")``)."""
+
+    registry: ClassVar[dict[str, type[Topology]]] = {}
+
+    @classmethod
+    def register(cls, name: str) -> Callable[[type[Topology]], type[Topology]]:
+        def _register(topology: type[Topology]) -> type[Topology]:
+            if name in cls.registry:
+                raise ValueError(f"topology '{name}' is already registered")
+            if not (isinstance(topology, type) and issubclass(topology, Topology)):
+                raise ValueError(f"topology '{name}' must be a subclass of decent_train.Topology, got {topology!r}")
+            topology.name = name
+            cls.registry[name] = topology
+            return topology
+
+        return _register
+
+
+def register_topology(name: str, topology: type[Topology]) -> type[Topology]:
+    """Function form of ``@TopologyReg.register(name)``."""
+    return TopologyReg.register(name)(topology)
+
+
+def topology_names() -> list[str]:
+    return sorted(TopologyReg.registry)
+
+
+def get_topology_class(name: str) -> type[Topology]:
+    try:
+        return TopologyReg.registry[name]
+    except KeyError:
+        raise ValueError(f"unknown topology '{name}'; registered: {', '.join(topology_names())}") from None
+
+
+def build_topology(name: str, world_size: int, local_world_size: int = 1, rank: int = 0) -> Topology:
+    """Build and validate a topology without touching torch.distributed (the launcher's pre-flight check)."""
+    return get_topology_class(name)(local_world_size=local_world_size, world_size=world_size, rank=rank)
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+@TopologyReg.register("complete")
+class CompleteTopology(Topology):
+    """Every worker averages with every other at every step (exact averaging; one all-reduce of the parameters)."""
+
+    def _get_topo_edges(self) -> list[list[Edge]]:
+        return [[Edge(list(range(self._world_size)))]]
+
+
+@TopologyReg.register("ring")
+class RingTopology(Topology):
+    """Each worker averages with its right neighbour at even steps and its left neighbour at odd steps.
+
+    Even n (decent-dp's groups): round 0 pairs (0,1),(2,3),...; round 1 pairs (0,n-1),(1,2),(3,4),...
+    Odd n >= 3: the worker left over joins a neighbouring pair, giving one group of three per round:
+    round 0 is (0,1),(2,3),...,(n-3,n-2,n-1); round 1 is (1,2),(3,4),...,(n-4,n-3),(n-2,n-1,0). Together the two
+    rounds still cover every edge of the ring. n = 1 trains alone.
+    """
+
+    def _get_topo_edges(self) -> list[list[Edge]]:
+        n = self._world_size
+        if n == 1:
+            return [[Edge([0])]]
+        if n % 2 == 0:
+            first = [Edge([i, i + 1]) for i in range(0, n, 2)]
+            second = [Edge([i, (i - 1) % n]) for i in range(0, n, 2)]
+            return [first, second]
+        first = [Edge([i, i + 1]) for i in range(0, n - 3, 2)] + [Edge([n - 3, n - 2, n - 1])]
+        second = [Edge([i, i + 1]) for i in range(1, n - 3, 2)] + [Edge([0, n - 2, n - 1])]
+        return [first, second]
+
+
+@TopologyReg.register("one-peer-exp")
+class OnePeerExpTopology(Topology):
+    """Round k pairs worker j with j + 2^k (mod n), k = 0..log2(n)-1: exact averaging after one period.
+
+    Needs a power-of-two number of workers (1, 2, 4, 8, ...).
+    """
+
+    def _get_topo_edges(self) -> list[list[Edge]]:
+        n = self._world_size
+        if not _is_power_of_two(n):
+            raise ValueError(
+                f"topology 'one-peer-exp' needs a power-of-two number of workers (1, 2, 4, 8, ...); got {n}"
+            )
+        if n == 1:
+            return [[Edge([0])]]
+        rounds = []
+        for k in range(int(math.log2(n))):
+            used: set[int] = set()
+            edges = []
+            for j in range(n):
+                if j not in used:
+                    peer = (j + 2**k) % n
+                    used.update((j, peer))
+                    edges.append(Edge([j, peer]))
+            rounds.append(edges)
+        return rounds
+
+
+@TopologyReg.register("alternating-exp-ring")
+class AlternatingExpRingTopology(Topology):
+    """The paper's AER: alternate intra-node averaging with averaging between two nodes paired exponentially.
+
+    For node round k (k = 0..log2(N)-1) nodes j and j + 2^k are paired; each pair contributes its two intra-node
+    groups to one step and its 2-node group to the other, alternating which comes first from pair to pair, so fast
+    intra-node links and slow inter-node links are used in alternate steps (same groups as decent-dp 0.2.3).
+    Needs a power-of-two number of nodes N = world_size / local_world_size (1, 2, 4, ...). With one node it is
+    intra-node ``complete`` averaging. With one worker per node the intra-node steps are local-only.
+    """
+
+    def _get_topo_edges(self) -> list[list[Edge]]:
+        nodes, local = self._n_nodes, self._local_world_size
+        if not _is_power_of_two(nodes):
+            raise ValueError(
+                "topology 'alternating-exp-ring' needs a power-of-two number of nodes (1, 2, 4, 8, ... nodes of "
+                f"{local} workers); got {nodes} nodes ({self._world_size} workers / {local} per node)"
+            )
+
+        def node(j: int) -> list[int]:
+            return list(range(j * local, (j + 1) * local))
+
+        if nodes == 1:
+            return [[Edge(node(0))]]
+        rounds: list[list[Edge]] = []
+        pair_count = 0
+        for k in range(int(math.log2(nodes))):
+            first: list[Edge] = []  # the two steps of node round k
+            second: list[Edge] = []
+            used: set[int] = set()
+            for j in range(nodes):
+                if j in used:
+                    continue
+                t = (j + 2**k) % nodes
+                used.update((j, t))
+                intra = [Edge(node(j)), Edge(node(t))]
+                inter = [Edge(node(j) + node(t))]
+                if pair_count % 2 == 0:
+                    first += intra
+                    second += inter
+                else:
+                    first += inter
+                    second += intra
+                pair_count += 1
+            rounds += [first, second]
+        return rounds

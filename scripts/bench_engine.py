@@ -1,0 +1,202 @@
+"""Training throughput of decent_train against decent-dp 0.2.3, torch DDP and no communication at all.
+
+Run on CPU with the gloo backend, one torchrun launch, all implementations side by side::
+
+    torchrun --standalone --nproc_per_node=2 scripts/bench_engine.py [--topology ring] [--steps 30] \
+        [--warmup 5] [--repeats 3] [--width 1024] [--depth 4] [--batch 64] [--json out.json]
+
+Every rank builds, from the same seed, an MLP (``depth`` x Linear(width, width)+ReLU, then Linear(width, 10)) for each of
+
+* ``local``: plain model and ``torch.optim.SGD`` after backward, no communication (the ideal limit);
+* ``decent_train``: our DecentralizedDataParallel (optimizer steps inside backward) on ``--topology``;
+* ``decent_dp``: decent-dp 0.2.3's class on the same topology (skipped, with the reason, if it is not installed or the
+  topology cannot serve this world size);
+* ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` and SGD.
+
+All use SGD (lr 0.01, momentum 0.9, no weight decay) on synthetic batches generated per rank before timing. The
+machine is shared and noisy, so the implementations are interleaved: each repeat runs, for each implementation,
+``warmup`` untimed steps then ``steps`` timed steps between two barriers (the window ends when the slowest rank is done).
+Throughput is global: ``batch * world_size * steps / seconds``; the table shows the median over repeats and min/max.
+
+Reading the ratios: ``vs local`` is the fraction of communication-free throughput kept (1.0 = communication fully
+hidden or free); ``vs ddp`` > 1 means faster than torch's all-reduce DDP; ``decent_train / decent_dp`` > 1 means our
+engine is faster than the baseline on the same topology. On 2 shared CPU cores the workers also compete for compute,
+so the absolute numbers say little; compare the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+Step = Callable[[Tensor, Tensor], None]
+IMPLS = ("local", "decent_train", "decent_dp", "ddp")
+
+
+def make_mlp(width: int, depth: int, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def build_local(model: nn.Module, topology: str) -> Step:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def step(x: Tensor, y: Tensor) -> None:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def build_ddp(model: nn.Module, topology: str) -> Step:
+    return build_local(nn.parallel.DistributedDataParallel(model), topology)
+
+
+def build_decent_train(model: nn.Module, topology: str) -> Step:
+    from decent_train import DecentralizedDataParallel, optim_fn_sgd
+
+    optim_fn = partial(optim_fn_sgd, lr=0.01, momentum=0.9, weight_decay=0.0)
+    wrapped = DecentralizedDataParallel(model, optim_fn, topology=topology, bucket_size_in_mb=25)
+    wrapped.train()
+    return lambda x, y: F.cross_entropy(wrapped(x), y).backward()
+
+
+def build_decent_dp(model: nn.Module, topology: str) -> Step:
+    from decent_dp.ddp import DecentralizedDataParallel
+    from decent_dp.topo import TopologyReg
+
+    if topology not in TopologyReg.registry:
+        raise ValueError(f"decent-dp has no topology '{topology}'")
+    if topology == "ring" and dist.get_world_size() % 2:  # the check decent-dp does, without its logged error
+        raise ValueError(f"decent-dp's ring needs an even world size, got {dist.get_world_size()}")
+
+    def optim_fn(params: list[tuple[str, Tensor]]) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for _, p in params], lr=0.01, momentum=0.9)
+
+    wrapped = DecentralizedDataParallel(model, optim_fn, topology=topology, bucket_size_in_mb=25)
+    wrapped.train()
+    return lambda x, y: F.cross_entropy(wrapped(x), y).backward()
+
+
+BUILDERS: dict[str, Callable[[nn.Module, str], Step]] = {
+    "local": build_local, "decent_train": build_decent_train, "decent_dp": build_decent_dp, "ddp": build_ddp,
+}
+
+
+def all_ranks_ok(ok: bool) -> bool:
+    flag = torch.tensor([int(ok)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def timed_run(step: Step, batches: list[tuple[Tensor, Tensor]], warmup: int, steps: int) -> float:
+    for i in range(warmup):
+        step(*batches[i % len(batches)])
+    dist.barrier()
+    start = time.perf_counter()
+    for i in range(steps):
+        step(*batches[i % len(batches)])
+    dist.barrier()  # inside the window: it ends when the slowest rank is done, the same on every rank
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--topology", default="ring")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the results here (rank 0)")
+    args = p.parse_args()
+
+    torch.set_num_threads(1)
+    dist.init_process_group(backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        from loguru import logger  # both engines log at DEBUG through loguru: keep the table readable
+
+        logger.remove()
+        logger.add(sys.stderr, level="WARNING")
+    except ImportError:
+        pass
+
+    gen = torch.Generator().manual_seed(args.seed + 1000 * (rank + 1))
+    batches = [(torch.randn(args.batch, args.width, generator=gen), torch.randint(0, 10, (args.batch,), generator=gen))
+               for _ in range(8)]
+
+    steps: dict[str, Step] = {}
+    skipped: dict[str, str] = {}
+    for name in IMPLS:
+        model = make_mlp(args.width, args.depth, args.seed)
+        reason = ""
+        try:
+            steps[name] = BUILDERS[name](model, args.topology)
+        except (ImportError, ValueError) as exc:
+            if name != "decent_dp":
+                raise
+            reason = f"{type(exc).__name__}: {exc}"
+        if not all_ranks_ok(not reason):
+            skipped[name] = reason or "failed on another rank"
+            steps.pop(name, None)
+            continue
+        for i in range(2):  # decent-dp traces at step 0 and builds its buckets at step 1: keep both out of timing
+            steps[name](*batches[i])
+
+    rates: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(args.repeats):
+        for name, step in steps.items():
+            seconds = timed_run(step, batches, args.warmup, args.steps)
+            rates[name].append(args.batch * world * args.steps / seconds)
+
+    if rank == 0:
+        med = {name: statistics.median(r) for name, r in rates.items()}
+        results = {name: {"samples_per_s": r, "median": med[name], "min": min(r), "max": max(r),
+                          "vs_local": med[name] / med["local"], "vs_ddp": med[name] / med["ddp"]}
+                   for name, r in rates.items()}
+        ours_vs_dp = med["decent_train"] / med["decent_dp"] if "decent_dp" in med else None
+        versions = f"torch {torch.__version__}"
+        if "decent_dp" in med:
+            versions += f", decent-dp {importlib.metadata.version('decent-dp')}"
+        print(f"command: torchrun --nproc_per_node={world} {shlex.join(sys.argv)}")
+        print(f"world size {world}, gloo, CPU, {torch.get_num_threads()} thread/worker, {versions}")
+        print(f"MLP width {args.width} depth {args.depth}, batch {args.batch}/rank, topology {args.topology}, "
+              f"{args.repeats} x ({args.warmup} warmup + {args.steps} timed) steps")
+        print(f"{'implementation':<14} {'samples/s':>10} {'min':>10} {'max':>10} {'vs local':>9} {'vs ddp':>7}")
+        for name, r in results.items():
+            print(f"{name:<14} {r['median']:>10.1f} {r['min']:>10.1f} {r['max']:>10.1f} "
+                  f"{r['vs_local']:>9.3f} {r['vs_ddp']:>7.3f}")
+        for name, reason in skipped.items():
+            print(f"{name:<14} skipped: {reason}")
+        print(f"decent_train / decent_dp: {ours_vs_dp:.3f}" if ours_vs_dp else "decent_train / decent_dp: n/a")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"argv": sys.argv, "world_size": world, "torch": torch.__version__, "args": vars(args),
+                           "results": results, "skipped": skipped, "decent_train_vs_decent_dp": ours_vs_dp}, f, indent=2)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

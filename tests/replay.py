@@ -1,0 +1,132 @@
+"""The oracle: a single-process float64 replay of decentralized SGD, and the matching multi-process engine run.
+
+Replay of n workers, optimizer step s = 0, 1, ...:
+    g_i   = grad f_i(x_i^s; batch(i, s))          # at the un-mixed local parameters
+    x_i  <- sum_j W(s)_ij x_j^s                     # W(s): the topology's round s mod period, as a dense matrix
+    x_i  <- optimizer_i.step(g_i)                   # the local update
+It knows nothing of buckets, hooks, process groups or exchanges.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from decent_train import DecentralizedDataParallel, Topology, build_topology, optim_fn_sgd
+
+SEED = 1000
+SGD = partial(optim_fn_sgd, lr=0.05, momentum=0.9, weight_decay=1e-3)
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+
+
+def batch(rank: int, step: int, micro: int = 0) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(10007 * rank + 101 * step + micro)
+    return torch.randn(6, 8, generator=g, dtype=torch.float64), torch.randn(6, 4, generator=g, dtype=torch.float64)
+
+
+def loss_fn(model: nn.Module, rank: int, step: int, micro: int = 0) -> Tensor:
+    x, y = batch(rank, step, micro)
+    return ((model(x) - y) ** 2).mean()
+
+
+def replay(
+    topology: Topology,
+    steps: int,
+    optim_fn: Callable = SGD,
+    lr_scheduler_fn: Callable | None = None,
+    model_fn: Callable[[int], nn.Module] = make_model,
+    loss: Callable[[nn.Module, int, int, int], Tensor] = loss_fn,
+    micro_batches: int = 1,
+    grad_clip_norm: float = 0.0,
+    adaptive_factor: float = 1.0,
+    average_before_step: int | None = None,
+) -> list[dict[str, Tensor]]:
+    """Each worker's parameters after ``steps`` optimizer steps.
+
+    ``average_before_step=k`` replaces every worker's parameters by the global average just before step k's forward
+    (what ``global_avg(will_revert=False)`` does).
+    """
+    n = topology.world_size
+    models = [copy.deepcopy(model_fn(SEED)) for _ in range(n)]  # rank 0's init
+    optimizers = [optim_fn(list(m.named_parameters())) for m in models]
+    schedulers = [lr_scheduler_fn(o) if lr_scheduler_fn else None for o in optimizers]
+    names = [name for name, _ in models[0].named_parameters()]
+    for s in range(steps):
+        if s == average_before_step:
+            with torch.no_grad():
+                for name in names:
+                    mean = torch.stack([dict(m.named_parameters())[name] for m in models]).mean(0)
+                    for m in models:
+                        dict(m.named_parameters())[name].copy_(mean)
+        for i, m in enumerate(models):
+            m.zero_grad(set_to_none=True)
+            for micro in range(micro_batches):
+                loss(m, i, s, micro).backward()
+            if grad_clip_norm > 0:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), grad_clip_norm)
+        w = topology.mixing_matrix(s)
+        mixed = w * adaptive_factor + torch.eye(n, dtype=torch.float64) * (1 - adaptive_factor)
+        with torch.no_grad():
+            for name in names:
+                stacked = torch.stack([dict(m.named_parameters())[name] for m in models])
+                new = torch.einsum("ij,j...->i...", mixed, stacked)
+                for i, m in enumerate(models):
+                    dict(m.named_parameters())[name].copy_(new[i])
+        for o, sch in zip(optimizers, schedulers):
+            o.step()
+            if sch is not None:
+                sch.step()
+    return [{k: v.detach().clone() for k, v in m.named_parameters()} for m in models]
+
+
+def train_engine(
+    rank: int,
+    world_size: int,
+    topology: str,
+    steps: int,
+    optim_fn: Callable = SGD,
+    lr_scheduler_fn: Callable | None = None,
+    model_fn: Callable[[int], nn.Module] = make_model,
+    loss: Callable[[nn.Module, int, int, int], Tensor] = loss_fn,
+    micro_batches: int = 1,
+    average_before_step: int | None = None,
+    adaptive_factor: float = 1.0,
+    **engine_kwargs: Any,
+) -> dict[str, Any]:
+    """One worker's training run through the engine; the same inputs as :func:`replay`."""
+    model = model_fn(SEED + rank)  # a different init on every rank: the engine must start all from rank 0's
+    engine_kwargs.setdefault("bucket_size_in_mb", 0.0005)  # several buckets for this small model
+    ddp = DecentralizedDataParallel(model, optim_fn, lr_scheduler_fn, topology=topology, **engine_kwargs)
+    ddp.set_adaptive_factor(adaptive_factor)
+    for s in range(steps):
+        if s == average_before_step:
+            ddp.global_avg(will_revert=False)
+        for micro in range(micro_batches):
+            ddp.set_accumulate_grad(micro < micro_batches - 1)
+            loss(ddp, rank, s, micro).backward()
+    return {
+        "params": {k: v.detach().clone() for k, v in ddp.named_parameters()},
+        "buckets": ddp.bucket_names,
+        "step": ddp.step_count,
+    }
+
+
+def max_deviation(engine: list[dict[str, Any]], expected: list[dict[str, Tensor]]) -> float:
+    return max(
+        (result["params"][name] - want[name]).abs().max().item()
+        for result, want in zip(engine, expected)
+        for name in want
+    )
+
+
+def topology_for(name: str, world_size: int, local_world_size: int = 1) -> Topology:
+    return build_topology(name, world_size, local_world_size)
