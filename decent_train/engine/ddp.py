@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.autograd import Variable
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
+from torch.utils._pytree import tree_flatten
 
 from decent_train.engine.optim import LRSchedulerFn, OptimFn
 from decent_train.engine.topology import Edge, Topology, get_topology_class
@@ -45,6 +46,11 @@ __all__ = ["DecentralizedDataParallel", "OPTIM_FN_TYPE", "LR_SCHEDULER_FN_TYPE"]
 OPTIM_FN_TYPE = OptimFn
 LR_SCHEDULER_FN_TYPE = LRSchedulerFn
 
+_SECOND_BACKWARD = (
+    "DecentralizedDataParallel: backward ran again without a training forward since the last optimizer step (two "
+    "backward passes per forward would step twice). Sum the losses and call backward once, or use "
+    "set_accumulate_grad(True) for all but the last micro-batch."
+)
 _ALIGN = 32  # elements: every parameter starts 64-256 bytes aligned inside its bucket
 
 
@@ -283,7 +289,18 @@ class DecentralizedDataParallel(nn.Module):
                 )
                 self._drop_pending_exchanges()
             self._armed = True
+            output = self.module(*args, **kwargs)
+            step = self._step
+            for tensor in tree_flatten(output)[0]:
+                if isinstance(tensor, Tensor) and tensor.requires_grad:
+                    tensor.register_hook(lambda grad, step=step: self._check_not_stepped(step))
+            return output
         return self.module(*args, **kwargs)
+
+    def _check_not_stepped(self, forward_step: int) -> None:
+        """Backward reaches a forward's outputs first: refuse a second backward after that forward's step."""
+        if self._step != forward_step and not self._accumulating:
+            raise RuntimeError(_SECOND_BACKWARD)
 
     def set_accumulate_grad(self, enable: bool = True) -> None:
         """While enabled, backward only accumulates gradients: no step, no exchange (for micro-batches)."""
@@ -293,11 +310,7 @@ class DecentralizedDataParallel(nn.Module):
         if self._accumulating:
             return
         if not self._armed:
-            raise RuntimeError(
-                "DecentralizedDataParallel: backward ran again without a training forward since the last optimizer "
-                "step (two backward passes per forward would step twice). Sum the losses and call backward once, "
-                "or use set_accumulate_grad(True) for all but the last micro-batch."
-            )
+            raise RuntimeError(_SECOND_BACKWARD)
         if id(param) in self._ready_params:
             raise RuntimeError(
                 f"DecentralizedDataParallel: parameter '{bucket.names[bucket.params.index(param)]}' received its "
