@@ -21,7 +21,7 @@ from decent_train import DecentralizedDataParallel
 from tests.distributed import run_workers
 from tests.replay import SGD, make_model, max_deviation, replay, topology_for, train_engine
 
-pytest.importorskip("decent_dp")
+
 
 IMPLS = ["decent_train", "decent_dp"]
 TOL = 1e-12
