@@ -156,14 +156,12 @@ class DecentralizedDataParallel(nn.Module):
             raise ValueError(f"grad_clip_norm must be >= 0 (0 disables clipping), got {grad_clip_norm}")
         if bucket_size_in_mb < 0:
             raise ValueError(f"bucket_size_in_mb must be >= 0, got {bucket_size_in_mb}")
-        self._distributed = dist.is_available() and dist.is_initialized()
-        self._rank = dist.get_rank() if self._distributed else 0
-        self._world_size = dist.get_world_size() if self._distributed else 1
-        if self._world_size > 1 and not self._distributed:
-            raise RuntimeError("call torch.distributed.init_process_group() before DecentralizedDataParallel")
+        distributed = dist.is_available() and dist.is_initialized()
+        self._rank = dist.get_rank() if distributed else 0
+        self._world_size = dist.get_world_size() if distributed else 1
         if local_world_size is None:
             local_world_size = _local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        if self._distributed and dist.get_backend() == "nccl" and next(model.parameters()).device.type == "cpu":
+        if distributed and dist.get_backend() == "nccl" and next(model.parameters()).device.type == "cpu":
             model = model.to(torch.device("cuda", torch.cuda.current_device()))
         self.module = model
         self._topo = self._build_topology(topology, local_world_size)
@@ -372,7 +370,7 @@ class DecentralizedDataParallel(nn.Module):
         bucket.optimizer.zero_grad(set_to_none=True)
         if bucket.scheduler is not None:
             bucket.scheduler.step()
-        self._launch(bucket, self._topo.edge(self._step + 1))
+        self._launch(bucket, self._topo.edge(self._step + 1, self._rank))
 
     # -- the exchange -------------------------------------------------------------------------------------------
     def _launch(self, bucket: _Bucket, edge: Edge) -> None:
