@@ -76,7 +76,6 @@ class _Bucket:
     flat: Tensor
     comm: Tensor
     views: list[Tensor]  # each parameter's slice of ``flat``
-    comm_views: list[Tensor]  # each parameter's slice of ``comm``
     optimizer: Optimizer
     scheduler: LRScheduler | None
     pending: _Exchange | None = None
@@ -192,13 +191,15 @@ class DecentralizedDataParallel(nn.Module):
             self._topo.create_groups()
         if self._rank == 0:
             sizes = ", ".join(f"{b.flat.numel() * b.flat.element_size() / 2**20:.2f}" for b in self._buckets)
-            logger.debug(f"DecentralizedDataParallel: {self._topo.describe()}; {len(self._buckets)} buckets (MB: {sizes})")
+            logger.debug(f"DecentralizedDataParallel: {self._topo.describe()}; {len(self._buckets)} buckets, MB: {sizes}")
 
     # -- construction -------------------------------------------------------------------------------------------
     def _build_topology(self, topology: str | Topology | type[Topology], local_world_size: int) -> Topology:
         if isinstance(topology, Topology):
             if topology.world_size != self._world_size:
-                raise ValueError(f"topology built for {topology.world_size} workers, but the world has {self._world_size}")
+                raise ValueError(
+                    f"topology built for {topology.world_size} workers, but the world has {self._world_size}"
+                )
             return topology
         cls = topology if isinstance(topology, type) else get_topology_class(topology)
         return cls(local_world_size=local_world_size, world_size=self._world_size, rank=self._rank)
@@ -211,7 +212,9 @@ class DecentralizedDataParallel(nn.Module):
         dist.broadcast_object_list(theirs, src=0)
         for here, there in itertools.zip_longest(mine, theirs[0]):
             if here != there:
-                raise RuntimeError(f"rank {self._rank}'s model differs from rank 0's: {here} here, {there} on rank 0")
+                raise RuntimeError(
+                    f"rank {self._rank}'s model differs from rank 0's: {here} here, {there} on rank 0"
+                )
 
     def _state_tensors(self) -> list[tuple[str, Tensor]]:
         return list(self.module.named_parameters()) + list(self.module.named_buffers())
@@ -224,7 +227,9 @@ class DecentralizedDataParallel(nn.Module):
                 dist.broadcast(tensor.data, src=0)
 
     @torch.no_grad()
-    def _build_buckets(self, optim_fn: OptimFn, lr_scheduler_fn: LRSchedulerFn | None, capacity: float) -> list[_Bucket]:
+    def _build_buckets(
+        self, optim_fn: OptimFn, lr_scheduler_fn: LRSchedulerFn | None, capacity: float
+    ) -> list[_Bucket]:
         """Group trainable parameters into buckets of one dtype and device each.
 
         Reverse registration order approximates the order in which backward produces gradients (torch DDP's first
@@ -233,7 +238,9 @@ class DecentralizedDataParallel(nn.Module):
         trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         for name, p in trainable:
             if not _layout_is_supported(p):
-                raise ValueError(f"parameter '{name}' has strides {p.stride()}: only dense contiguous or channels_last layouts are supported")
+                raise ValueError(
+                    f"parameter '{name}' has strides {p.stride()}: only contiguous or channels_last layouts are supported"
+                )
         groups: list[list[tuple[str, nn.Parameter]]] = []
         open_group: dict[tuple[torch.dtype, torch.device], list[tuple[str, nn.Parameter]]] = {}
         open_bytes: dict[tuple[torch.dtype, torch.device], int] = {}
@@ -265,17 +272,16 @@ class DecentralizedDataParallel(nn.Module):
         flat = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
         comm = torch.zeros_like(flat)
         views = [_slice_like(flat, o, p) for o, p in zip(offsets, params)]
-        comm_views = [_slice_like(comm, o, p) for o, p in zip(offsets, params)]
         torch._foreach_copy_(views, [p.data for p in params])
         if self._param_as_bucket_view:
             for p, view in zip(params, views):
                 p.data = view
         optimizer = optim_fn(list(zip(names, params)))
         if hasattr(optimizer, "pre_average_hook"):  # decent-dp's extension point reads the received values here
-            for p, view in zip(params, comm_views):
-                p.comm_buffer = view  # type: ignore[attr-defined]
+            for p, offset in zip(params, offsets):
+                p.comm_buffer = _slice_like(comm, offset, p)  # type: ignore[attr-defined]
         scheduler = lr_scheduler_fn(optimizer) if lr_scheduler_fn is not None else None
-        return _Bucket(index, names, params, flat, comm, views, comm_views, optimizer, scheduler)
+        return _Bucket(index, names, params, flat, comm, views, optimizer, scheduler)
 
     # -- training -----------------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -430,7 +436,7 @@ class DecentralizedDataParallel(nn.Module):
             torch._foreach_copy_([p.data for p in bucket.params], bucket.views)
 
     def _drop_pending_exchanges(self) -> None:
-        """Forget in-flight exchanges after waiting for them (workers are at consensus: the next mix is the identity)."""
+        """Forget in-flight exchanges after waiting for them (the workers are at consensus: no mix is needed)."""
         for bucket in self._buckets:
             self._wait(bucket)
         self._global_average = None
@@ -460,7 +466,8 @@ class DecentralizedDataParallel(nn.Module):
             self._average_in_place(tensor)
         d2c = None
         if return_d2c:
-            d2c = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(torch._foreach_sub(params, local))).double()))
+            distances = torch._foreach_norm(torch._foreach_sub(params, local))
+            d2c = float(torch.linalg.vector_norm(torch.stack(distances).double()))
         if not will_revert:
             self._drop_pending_exchanges()
         return d2c
@@ -528,7 +535,9 @@ class DecentralizedDataParallel(nn.Module):
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         return self.module.parameters(recurse)
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
         return self.module.named_parameters(prefix, recurse, remove_duplicate)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:

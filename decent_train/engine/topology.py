@@ -110,7 +110,7 @@ class Topology:
                 if not 0.0 <= edge.weight <= 1.0:
                     raise ValueError(f"{label}: round {r} group {edge.ranks} has weight {edge.weight}; valid: 0..1")
                 if edge.size == 1 and edge.weight != 1.0:
-                    raise ValueError(f"{label}: round {r} group {edge.ranks} is alone, so its weight must be 1, got {edge.weight}")
+                    raise ValueError(f"{label}: round {r} group {edge.ranks} has one member, so weight must be 1, not {edge.weight}")
                 for rank in edge.ranks:
                     if not 0 <= rank < n:
                         raise ValueError(f"{label}: round {r} names rank {rank}; valid ranks are 0..{n - 1}")
