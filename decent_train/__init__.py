@@ -7,7 +7,6 @@ submodules keep working after renaming the package: ``decent_train.ddp``, ``dece
 
 import sys
 
-from decent_train import engine
 from decent_train.engine import *  # noqa: F403
 from decent_train.engine import __all__ as _engine_all
 from decent_train.engine import ddp, optim, topology, utils

@@ -88,6 +88,19 @@ def replay(
     return [{k: v.detach().clone() for k, v in m.named_parameters()} for m in models]
 
 
+def single_process(model: nn.Module, iterations: int, loss: Callable, clip: float = 0.0) -> dict[str, Tensor]:
+    """Plain one-process SGD: the oracle when every worker sees the same batches (all workers then stay equal)."""
+    model = copy.deepcopy(model)
+    optimizer = SGD(list(model.named_parameters()))
+    for it in range(iterations):
+        optimizer.zero_grad(set_to_none=True)
+        loss(model, it).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
 def train_engine(
     rank: int,
     world_size: int,

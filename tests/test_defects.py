@@ -7,9 +7,7 @@ test detects the defect it is about.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import pytest
@@ -19,7 +17,7 @@ from torch import Tensor, nn
 
 from decent_train import DecentralizedDataParallel
 from tests.distributed import run_workers
-from tests.replay import SGD, make_model, max_deviation, replay, topology_for, train_engine
+from tests.replay import SGD, make_model, max_deviation, replay, single_process, topology_for, train_engine
 
 
 
@@ -44,18 +42,6 @@ def same_data_loss(model: nn.Module, it: int) -> Tensor:
     g = torch.Generator().manual_seed(it)
     x, y = torch.randn(6, 8, generator=g, dtype=torch.float64), torch.randn(6, 4, generator=g, dtype=torch.float64)
     return ((model(x) - y) ** 2).mean()
-
-
-def single_process(model: nn.Module, iterations: int, loss: Callable, clip: float = 0.0) -> dict[str, Tensor]:
-    model = copy.deepcopy(model)
-    optimizer = SGD(list(model.named_parameters()))
-    for it in range(iterations):
-        optimizer.zero_grad(set_to_none=True)
-        loss(model, it).backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-    return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
 def close(a: dict[str, Tensor], b: dict[str, Tensor]) -> bool:
@@ -107,7 +93,7 @@ def test_buffers_and_frozen_parameters_start_equal(impl: str) -> None:
         model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
         model[1].running_mean.normal_()
         model[2].requires_grad_(False)
-        ddp = wrap(impl, model)
+        wrap(impl, model)  # construction alone must synchronize the state
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     results = run_workers(run, 2)

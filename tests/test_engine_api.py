@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import copy
 from functools import partial
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from decent_train import (
@@ -18,7 +16,7 @@ from decent_train import (
     topology_names,
 )
 from tests.distributed import WorkerError, run_workers
-from tests.replay import SEED, SGD, make_model, replay, topology_for, train_engine
+from tests.replay import SEED, SGD, loss_fn, make_model, replay, single_process, topology_for, train_engine
 
 TOL = 1e-12
 SCHEDULE = partial(lr_scheduler_fn_cosine_with_warmup, t_max=10, t_warmup=3)
@@ -73,8 +71,6 @@ def test_global_avg_revert_and_continue() -> None:
 
     def run(rank: int, world_size: int) -> dict:
         ddp = DecentralizedDataParallel(make_model(SEED + rank), SGD, topology="ring", bucket_size_in_mb=0.0005)
-        from tests.replay import loss_fn
-
         for s in range(before):
             loss_fn(ddp, rank, s).backward()
         d2c = ddp.global_avg(will_revert=True, return_d2c=True)
@@ -107,8 +103,6 @@ def test_global_avg_without_revert_continues_from_the_average(forget_revert: boo
     def run(rank: int, world_size: int) -> dict:
         if not forget_revert:
             return train_engine(rank, world_size, "ring", steps, average_before_step=at)
-        from tests.replay import loss_fn
-
         ddp = DecentralizedDataParallel(make_model(SEED + rank), SGD, topology="ring", bucket_size_in_mb=0.0005)
         for s in range(steps):
             if s == at:
@@ -164,8 +158,6 @@ def test_pre_average_hook_sees_the_weighted_group_sum(topology: str) -> None:
         log: list = []
         ddp = DecentralizedDataParallel(make_model(SEED + rank), lambda named: RecordingSGD(named, log),
                                         topology=topology, bucket_size_in_mb=0.0005)
-        from tests.replay import loss_fn
-
         for s in range(4):
             loss_fn(ddp, rank, s).backward()
         return log
@@ -233,3 +225,56 @@ def test_different_models_on_different_ranks_are_reported() -> None:
 
     with pytest.raises(WorkerError, match="rank 1's model differs from rank 0's"):
         run_workers(run, 2)
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(11)
+        self.conv = nn.Conv2d(2, 4, 3)
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.conv(x.contiguous(memory_format=torch.channels_last))).flatten(1))
+
+
+def conv_loss(model: nn.Module, it: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(it)
+    x, y = torch.randn(6, 2, 6, 6, generator=g, dtype=torch.float64), torch.randn(6, 4, generator=g, dtype=torch.float64)
+    return ((model(x) - y) ** 2).mean()
+
+
+def channels_last_convnet() -> nn.Module:
+    return ConvNet().double().to(memory_format=torch.channels_last)
+
+
+def test_channels_last_parameters_keep_their_layout_and_train() -> None:
+    def run(rank: int, world_size: int) -> dict:
+        ddp = DecentralizedDataParallel(channels_last_convnet(), SGD, topology="complete", bucket_size_in_mb=0)
+        weight = ddp.module.conv.weight
+        layout = weight.is_contiguous(memory_format=torch.channels_last) and not weight.is_contiguous()
+        for it in range(4):
+            conv_loss(ddp, it).backward()
+        return {"layout": layout, "params": {k: v.detach().clone() for k, v in ddp.named_parameters()}}
+
+    expected = single_process(channels_last_convnet(), 4, conv_loss)
+    for result in run_workers(run, 2):
+        assert result["layout"]
+        assert max((result["params"][k] - expected[k]).abs().max().item() for k in expected) <= TOL
+
+
+def test_no_sync_accumulates_like_set_accumulate_grad() -> None:
+    steps, micro = 6, 3
+
+    def run(rank: int, world_size: int) -> dict:
+        ddp = DecentralizedDataParallel(make_model(SEED + rank), SGD, topology="ring", bucket_size_in_mb=0.0005)
+        for s in range(steps):
+            with ddp.no_sync():
+                for m in range(micro - 1):
+                    loss_fn(ddp, rank, s, m).backward()
+            loss_fn(ddp, rank, s, micro - 1).backward()
+        return {"params": {k: v.detach().clone() for k, v in ddp.named_parameters()}}
+
+    expected = replay(topology_for("ring", 4), steps, micro_batches=micro)
+    for result, want in zip(run_workers(run, 4), expected):
+        assert max((result["params"][k] - want[k]).abs().max().item() for k in want) <= TOL

@@ -22,6 +22,7 @@ so steps move to the end of backward; the exchange still overlaps the next forwa
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
@@ -309,6 +310,15 @@ class DecentralizedDataParallel(nn.Module):
     def set_accumulate_grad(self, enable: bool = True) -> None:
         """While enabled, backward only accumulates gradients: no step, no exchange (for micro-batches)."""
         self._accumulating = enable
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """torch DDP's spelling of ``set_accumulate_grad``: backward inside the block only accumulates."""
+        previous, self._accumulating = self._accumulating, True
+        try:
+            yield
+        finally:
+            self._accumulating = previous
 
     def _on_grad_ready(self, bucket: _Bucket, param: nn.Parameter) -> None:
         if self._accumulating:
