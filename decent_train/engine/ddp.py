@@ -165,6 +165,7 @@ class DecentralizedDataParallel(nn.Module):
             model = model.to(torch.device("cuda", torch.cuda.current_device()))
         self.module = model
         self._topo = self._build_topology(topology, local_world_size)
+        self._my_edges = [self._topo.edge(r, self._rank) for r in range(self._topo.period)]  # my group per round
         self._scaler = scaler
         self._grad_clip_norm = float(grad_clip_norm)
         self._param_as_bucket_view = param_as_bucket_view
@@ -286,7 +287,8 @@ class DecentralizedDataParallel(nn.Module):
 
     # -- training -----------------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.training and torch.is_grad_enabled() and not self._accumulating:
+        training_step = self.training and torch.is_grad_enabled() and not self._accumulating
+        if training_step:
             if self._global_average is not None:
                 logger.warning(
                     "training resumed after global_avg(will_revert=True) without revert_global_avg(): "
@@ -294,13 +296,13 @@ class DecentralizedDataParallel(nn.Module):
                 )
                 self._drop_pending_exchanges()
             self._armed = True
-            output = self.module(*args, **kwargs)
+        output = self.module(*args, **kwargs)
+        if training_step:
             step = self._step
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, Tensor) and tensor.requires_grad:
                     tensor.register_hook(lambda grad, step=step: self._check_not_stepped(step))
-            return output
-        return self.module(*args, **kwargs)
+        return output
 
     def _check_not_stepped(self, forward_step: int) -> None:
         """Backward reaches a forward's outputs first: refuse a second backward after that forward's step."""
@@ -386,7 +388,7 @@ class DecentralizedDataParallel(nn.Module):
         bucket.optimizer.zero_grad(set_to_none=True)
         if bucket.scheduler is not None:
             bucket.scheduler.step()
-        self._launch(bucket, self._topo.edge(self._step + 1, self._rank))
+        self._launch(bucket, self._my_edges[(self._step + 1) % len(self._my_edges)])
 
     # -- the exchange -------------------------------------------------------------------------------------------
     def _launch(self, bucket: _Bucket, edge: Edge) -> None:
