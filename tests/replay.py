@@ -85,7 +85,7 @@ def replay(
             o.step()
             if sch is not None:
                 sch.step()
-    return [{k: v.detach().clone() for k, v in m.named_parameters()} for m in models]
+    return [snapshot(m) for m in models]
 
 
 def single_process(model: nn.Module, iterations: int, loss: Callable, clip: float = 0.0) -> dict[str, Tensor]:
@@ -98,7 +98,7 @@ def single_process(model: nn.Module, iterations: int, loss: Callable, clip: floa
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
-    return {k: v.detach().clone() for k, v in model.named_parameters()}
+    return snapshot(model)
 
 
 def train_engine(
@@ -127,10 +127,15 @@ def train_engine(
             ddp.set_accumulate_grad(micro < micro_batches - 1)
             loss(ddp, rank, s, micro).backward()
     return {
-        "params": {k: v.detach().clone() for k, v in ddp.named_parameters()},
+        "params": snapshot(ddp),
         "buckets": ddp.bucket_names,
         "step": ddp.step_count,
     }
+
+
+def snapshot(model: nn.Module) -> dict[str, Tensor]:
+    """A copy of the parameters by (bare) name."""
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
 def max_deviation(engine: list[dict[str, Any]], expected: list[dict[str, Tensor]]) -> float:

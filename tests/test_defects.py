@@ -17,7 +17,16 @@ from torch import Tensor, nn
 
 from decent_train import DecentralizedDataParallel
 from tests.distributed import run_workers
-from tests.replay import SGD, make_model, max_deviation, replay, single_process, topology_for, train_engine
+from tests.replay import (
+    SGD,
+    make_model,
+    max_deviation,
+    replay,
+    single_process,
+    snapshot,
+    topology_for,
+    train_engine,
+)
 
 
 
@@ -78,7 +87,7 @@ def test_gradient_clipping_uses_the_whole_models_norm(impl: str) -> None:
         ddp = wrap(impl, make_model(7), topology="complete", grad_clip_norm=clip, bucket_size_in_mb=0)
         for it in range(iterations):
             same_data_loss(ddp, it).backward()
-        return {k: v.detach().clone() for k, v in ddp.named_parameters()}
+        return snapshot(ddp)
 
     results = run_workers(run, 2)
     expected = single_process(make_model(7), iterations, same_data_loss, clip=clip)
@@ -122,7 +131,7 @@ def test_a_bucket_never_mixes_dtypes(impl: str) -> None:
                 same_data_loss(ddp, it).backward()
         except RuntimeError as error:  # decent-dp's cast makes the forward fail
             return {"error": str(error)}
-        return {k: v.detach().clone() for k, v in ddp.named_parameters()}
+        return snapshot(ddp)
 
     results = run_workers(run, 2)
     expected = single_process(MixedPrecisionModel(), iterations, same_data_loss)
@@ -156,7 +165,7 @@ def test_parameters_unused_in_the_first_iteration_are_trained(impl: str) -> None
         ddp = wrap(impl, TwoHeads(), topology="complete", bucket_size_in_mb=0)
         for it in range(iterations):
             first_iteration_skips_head_b(ddp, it).backward()
-        return {k: v.detach().clone() for k, v in ddp.named_parameters()}
+        return snapshot(ddp)
 
     results = run_workers(run, 2)
     expected = single_process(TwoHeads(), iterations, first_iteration_skips_head_b)
@@ -192,7 +201,7 @@ def test_world_size_one_trains_locally(impl: str) -> None:
                 same_data_loss(ddp, it).backward()
         except (ZeroDivisionError, ValueError) as error:
             return {"error": repr(error)}
-        return {k: v.detach().clone() for k, v in ddp.named_parameters()}
+        return snapshot(ddp)
 
     result = run_workers(run, 1)[0]
     expect_fixed(impl, close(result, single_process(make_model(2), iterations, same_data_loss)))
@@ -203,7 +212,7 @@ def test_world_size_one_without_a_process_group() -> None:
     ddp = DecentralizedDataParallel(make_model(2), SGD, topology="ring")
     for it in range(4):
         same_data_loss(ddp, it).backward()
-    trained = {k: v.detach().clone() for k, v in ddp.named_parameters()}
+    trained = snapshot(ddp)
     assert close(trained, single_process(make_model(2), 4, same_data_loss))
 
 

@@ -16,7 +16,18 @@ from decent_train import (
     topology_names,
 )
 from tests.distributed import WorkerError, run_workers
-from tests.replay import SEED, SGD, loss_fn, make_model, replay, single_process, topology_for, train_engine
+from tests.replay import (
+    SEED,
+    SGD,
+    loss_fn,
+    make_model,
+    max_deviation,
+    replay,
+    single_process,
+    snapshot,
+    topology_for,
+    train_engine,
+)
 
 TOL = 1e-12
 SCHEDULE = partial(lr_scheduler_fn_cosine_with_warmup, t_max=10, t_warmup=3)
@@ -74,13 +85,13 @@ def test_global_avg_revert_and_continue() -> None:
         for s in range(before):
             loss_fn(ddp, rank, s).backward()
         d2c = ddp.global_avg(will_revert=True, return_d2c=True)
-        averaged = {k: v.detach().clone() for k, v in ddp.named_parameters()}
+        averaged = snapshot(ddp)
         ddp.revert_global_avg()
-        reverted = {k: v.detach().clone() for k, v in ddp.named_parameters()}
+        reverted = snapshot(ddp)
         for s in range(before, after):
             loss_fn(ddp, rank, s).backward()
         return {"d2c": d2c, "averaged": averaged, "reverted": reverted,
-                "final": {k: v.detach().clone() for k, v in ddp.named_parameters()}}
+                "final": snapshot(ddp)}
 
     results = run_workers(run, 4)
     at_before = replay(topology_for("ring", 4), before)
@@ -108,12 +119,10 @@ def test_global_avg_without_revert_continues_from_the_average(forget_revert: boo
             if s == at:
                 ddp.global_avg()  # will_revert=True, but no revert_global_avg() follows
             loss_fn(ddp, rank, s).backward()
-        return {"params": {k: v.detach().clone() for k, v in ddp.named_parameters()}}
+        return {"params": snapshot(ddp)}
 
-    results = run_workers(run, 4)
     expected = replay(topology_for("ring", 4), steps, average_before_step=at)
-    for result, want in zip(results, expected):
-        assert max((result["params"][k] - want[k]).abs().max().item() for k in want) <= TOL
+    assert max_deviation(run_workers(run, 4), expected) <= TOL
 
 
 def test_global_avg_syncs_and_restores_buffers() -> None:
@@ -255,12 +264,11 @@ def test_channels_last_parameters_keep_their_layout_and_train() -> None:
         layout = weight.is_contiguous(memory_format=torch.channels_last) and not weight.is_contiguous()
         for it in range(4):
             conv_loss(ddp, it).backward()
-        return {"layout": layout, "params": {k: v.detach().clone() for k, v in ddp.named_parameters()}}
+        return {"layout": layout, "params": snapshot(ddp)}
 
-    expected = single_process(channels_last_convnet(), 4, conv_loss)
-    for result in run_workers(run, 2):
-        assert result["layout"]
-        assert max((result["params"][k] - expected[k]).abs().max().item() for k in expected) <= TOL
+    results = run_workers(run, 2)
+    assert all(result["layout"] for result in results)
+    assert max_deviation(results, [single_process(channels_last_convnet(), 4, conv_loss)] * 2) <= TOL
 
 
 def test_no_sync_accumulates_like_set_accumulate_grad() -> None:
@@ -273,8 +281,7 @@ def test_no_sync_accumulates_like_set_accumulate_grad() -> None:
                 for m in range(micro - 1):
                     loss_fn(ddp, rank, s, m).backward()
             loss_fn(ddp, rank, s, micro - 1).backward()
-        return {"params": {k: v.detach().clone() for k, v in ddp.named_parameters()}}
+        return {"params": snapshot(ddp)}
 
     expected = replay(topology_for("ring", 4), steps, micro_batches=micro)
-    for result, want in zip(run_workers(run, 4), expected):
-        assert max((result["params"][k] - want[k]).abs().max().item() for k in want) <= TOL
+    assert max_deviation(run_workers(run, 4), expected) <= TOL
