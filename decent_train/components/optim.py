@@ -1,0 +1,96 @@
+"""Optimizer and learning-rate schedule configs, turned into the engine's per-bucket factories."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
+
+from decent_train.engine.optim import (
+    LRSchedulerFn,
+    OptimFn,
+    lr_scheduler_fn_cosine_with_warmup,
+    optim_fn_accum_adam,
+    optim_fn_accum_adamw,
+    optim_fn_adam,
+    optim_fn_adamw,
+    optim_fn_sgd,
+)
+
+OPTIMIZERS = {
+    "accum_adamw": optim_fn_accum_adamw,
+    "accum_adam": optim_fn_accum_adam,
+    "adamw": optim_fn_adamw,
+    "adam": optim_fn_adam,
+    "sgd": optim_fn_sgd,
+}
+SCHEDULER_NAMES = ("cosine", "constant")
+
+
+@dataclass
+class OptimConfig:
+    """``conf/optim/*.yaml``. Weight decay applies to tensors of 2 or more dimensions only (not biases, norms)."""
+
+    name: str = "accum_adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9  # adam family
+    beta2: float = 0.999
+    eps: float = 1e-8
+    accum_iter: int = 4  # accum_adam, accum_adamw: iterations whose updates AccumAdam accumulates
+    momentum: float = 0.9  # sgd
+    nesterov: bool = False  # sgd
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"optim.name={self.name!r} is not an optimizer; valid: {', '.join(OPTIMIZERS)}")
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr={self.lr} must be > 0")
+        if self.weight_decay < 0:
+            raise ValueError(f"optim.weight_decay={self.weight_decay} must be >= 0")
+        if self.accum_iter < 1:
+            raise ValueError(f"optim.accum_iter={self.accum_iter} must be >= 1")
+
+
+@dataclass
+class SchedulerConfig:
+    """``conf/scheduler/*.yaml``: ``cosine`` (linear warmup, then cosine decay to ``min_lr``) or ``constant``."""
+
+    name: str = "cosine"
+    warmup_steps: int = 0
+    warmup_fraction: float = 0.0  # used when warmup_steps is 0: a share of the run's optimizer steps
+    min_lr: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.name not in SCHEDULER_NAMES:
+            raise ValueError(f"scheduler.name={self.name!r} is not a schedule; valid: {', '.join(SCHEDULER_NAMES)}")
+        if self.warmup_steps < 0 or not 0.0 <= self.warmup_fraction < 1.0:
+            raise ValueError(
+                f"scheduler.warmup_steps={self.warmup_steps} must be >= 0 and "
+                f"scheduler.warmup_fraction={self.warmup_fraction} in [0, 1)"
+            )
+
+
+def make_optim_fn(cfg: OptimConfig) -> OptimFn:
+    """The engine's optimizer factory (one optimizer per bucket; also used whole-model for all-reduce)."""
+    if cfg.name == "sgd":
+        return partial(optim_fn_sgd, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=cfg.nesterov)
+    kwargs = dict(lr=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if cfg.name.startswith("accum_"):
+        kwargs["accum_iter"] = cfg.accum_iter
+    return partial(OPTIMIZERS[cfg.name], **kwargs)
+
+
+def make_scheduler_fn(cfg: SchedulerConfig, total_steps: int) -> LRSchedulerFn:
+    """The engine's LR-schedule factory for a run of ``total_steps`` optimizer steps."""
+    if cfg.name == "constant":
+        return _constant
+    warmup = cfg.warmup_steps or int(cfg.warmup_fraction * total_steps)
+    warmup = min(warmup, total_steps - 1)
+    return partial(lr_scheduler_fn_cosine_with_warmup, t_max=max(1, total_steps - warmup), t_warmup=warmup, cosine_eta_min=cfg.min_lr)
+
+
+def _constant(optimizer: Optimizer) -> LRScheduler:
+    return LambdaLR(optimizer, lambda step: 1.0)

@@ -1,0 +1,165 @@
+"""``decent-train [overrides]``: compose the config with Hydra, check it, write it resolved, start the workers.
+
+Hydra runs here once per job (never in the workers), so a job has one run directory and one composed config; the
+workers read ``resolved_config.yaml``, the same file cluster scripts hand to torchrun on every node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
+from hydra.types import RunMode
+from loguru import logger
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+from decent_train.config import TrainConfig, check_config
+from decent_train.engine.topology import build_topology
+from decent_train.launcher.launch import WorkerFailure, format_command, launch_workers, torchrun_command
+from decent_train.worker import MODEL_FILE, RESULT_FILE
+
+RESOLVED_CONFIG = "resolved_config.yaml"
+
+
+def _conf_dir() -> str:
+    """The packaged config (``decent_train/conf`` in a wheel), else the checkout's ``conf/`` (editable install)."""
+    packaged = Path(__file__).resolve().parents[1] / "conf"
+    return str(packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / "conf")
+
+
+ConfigStore.instance().store(name="base_train", node=TrainConfig)
+
+
+@hydra.main(version_base="1.3", config_path=_conf_dir(), config_name="train")
+def _run_job(cfg: DictConfig) -> float | None:
+    """One Hydra job: returns the final test accuracy (what sweepers optimize).
+
+    The user's mistakes end the job here, with one line; raising them would make Hydra print more around it.
+    """
+    try:
+        return _check_and_launch(cfg)
+    except Exception as error:  # noqa: BLE001 - sorted into the user's mistakes and our bugs by describe_error
+        message = describe_error(error)
+        if message is None:
+            raise
+        _exit_with(message, 1 if isinstance(error, WorkerFailure) else 2)
+
+
+def _check_and_launch(cfg: DictConfig) -> float | None:
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir).resolve()
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    cfg.run.output_dir = str(run_dir)
+    cfg.run.choices = {k: v for k, v in hydra_cfg.runtime.choices.items() if not k.startswith("hydra") and v}
+    cfg.run.overrides = list(hydra_cfg.overrides.task)
+    cfg.run.job_num = hydra_cfg.job.num if multirun else None
+    cfg.run.sweep_dir = str(Path(hydra_cfg.sweep.dir).resolve()) if multirun else None
+    if cfg.launch.nproc_per_node is None:  # one worker per GPU
+        cfg.launch.nproc_per_node = torch.cuda.device_count()
+    train_cfg = check_config(cfg)
+    if train_cfg.launch.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("launch.device=cuda but no CUDA device is visible; valid here: launch.device=cpu")
+    config_path = run_dir / RESOLVED_CONFIG
+    OmegaConf.save(OmegaConf.structured(train_cfg), config_path)
+
+    if train_cfg.dry_run:
+        _print_dry_run(train_cfg, config_path)
+        return None
+    sink = logger.add(run_dir / "launcher.log", level="DEBUG")
+    try:
+        return _train(train_cfg, run_dir, config_path)
+    finally:
+        logger.remove(sink)
+
+
+def _train(cfg: TrainConfig, run_dir: Path, config_path: Path) -> float:
+    what = f"topology={cfg.topology.name}" if cfg.algorithm == "decentralized" else "all-reduce"
+    logger.info(f"{cfg.launch.world_size} workers on {cfg.launch.device}, {what}; outputs in {run_dir}")
+    start = time.perf_counter()
+    launch_workers(cfg.launch, config_path)
+    wall = time.perf_counter() - start
+    result_path = run_dir / RESULT_FILE
+    result = json.loads(result_path.read_text())
+    result["wall_time_s"] = wall
+    result_path.write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        f"decent-train: eval/accuracy {result['eval/accuracy']:.4f}, eval/loss {result['eval/loss']:.4f} after "
+        f"{result['steps']} steps; {result['throughput/samples_per_s']:.0f} samples/s over {result['world_size']} "
+        f"workers ({what}); {wall:.1f} s in all\n"
+        f"  outputs: {run_dir}  ({MODEL_FILE}: the averaged model's state_dict; metrics.jsonl, {RESULT_FILE}, logs/)",
+        flush=True,
+    )
+    return float(result["eval/accuracy"])
+
+
+def _print_dry_run(cfg: TrainConfig, config_path: Path) -> None:
+    if cfg.algorithm == "decentralized":
+        local = cfg.topology.local_world_size or cfg.launch.nproc_per_node
+        summary = build_topology(cfg.topology.name, cfg.launch.world_size, local).describe()
+    else:
+        summary = f"all-reduce (torch DDP) over {cfg.launch.world_size} workers"
+    print(f"dry run: nothing trained\n  topology: {summary}\n  config:   {config_path}")
+    print(f"  workers:  {format_command(torchrun_command(cfg.launch, config_path))}", flush=True)
+
+
+def describe_error(error: BaseException) -> str | None:
+    """One line naming the bad value and what is valid, for errors caused by the user's input; None for bugs."""
+    if isinstance(error, (ValueError, WorkerFailure)) and not isinstance(error, OmegaConfBaseException):
+        return str(error)
+    if isinstance(error, MissingConfigException) and error.options is not None and error.missing_cfg_file:
+        group, _, option = error.missing_cfg_file.rpartition("/")
+        return f"{group}={option} is not an option; valid: {', '.join(error.options)}"
+    cause = error.__cause__ if isinstance(error, ConfigCompositionException) else error
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key:
+        parent, _, key = str(cause.full_key).rpartition(".")
+        valid = _field_names(cause.object_type)
+        where = f"in {parent}" if parent else "at the top level"
+        return f"{cause.full_key} is not a key; valid {where}: {', '.join(valid)}" if valid else str(cause.msg)
+    if isinstance(cause, OmegaConfBaseException):
+        message = str(cause.msg).strip().splitlines()[0]
+        return f"{cause.full_key}: {message}" if getattr(cause, "full_key", None) else message
+    if isinstance(error, HydraException):
+        return str(error).strip().splitlines()[0]
+    return None
+
+
+def _field_names(object_type: Any) -> list[str]:
+    return [f.name for f in dataclasses.fields(object_type)] if dataclasses.is_dataclass(object_type) else []
+
+
+def _exit_with(message: str, status: int) -> None:
+    print(f"decent-train: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(status)
+
+
+def main() -> None:
+    """Console entry point. Errors in the user's input end in one line on stderr and exit status 2."""
+    full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # make Hydra raise, so we can say what is wrong in one line
+    logger.remove()
+    logger.add(sys.stderr, level="INFO", format="<green>{time:HH:mm:ss}</green> | <level>{message}</level>")
+    try:
+        _run_job()
+    except Exception as error:  # noqa: BLE001 - composition errors (unknown key or option, bad type) end here
+        message = None if full_error else describe_error(error)
+        if message is None:
+            raise
+        _exit_with(message, 2)
+    finally:
+        if not full_error:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Start the workers with torch.distributed.run's elastic agent, in process, and say how to do the same by hand."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig as ElasticLaunchConfig
+from torch.distributed.launcher.api import elastic_launch
+
+DEVICES = ("cpu", "cuda", "auto")
+WORKER_MODULE = "decent_train.worker"
+
+
+@dataclass
+class LaunchConfig:
+    """``conf/launch/*.yaml``: how many workers, on what, and how the elastic agent runs them."""
+
+    nproc_per_node: Optional[int] = 4  # workers per node; null: one per visible GPU
+    nnodes: int = 1
+    device: str = "cpu"  # cpu (gloo) | cuda (nccl, one GPU per worker) | auto (cuda when available)
+    max_restarts: int = 0  # the agent restarts all workers this many times after a failure
+    monitor_interval: float = 0.1  # seconds between the agent's checks of the workers
+    rdzv_endpoint: str = ""  # host:port of the c10d rendezvous; empty: standalone on this node
+    rdzv_id: str = ""  # empty: a fresh id per launch
+    threads_per_worker: Optional[int] = None  # OMP_NUM_THREADS of each worker; null: CPU cores / workers per node
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node is not None and self.nproc_per_node < 1:
+            raise ValueError(f"launch.nproc_per_node={self.nproc_per_node}: at least one worker per node is needed")
+        if self.nnodes < 1:
+            raise ValueError(f"launch.nnodes={self.nnodes}: at least one node is needed")
+        if self.device not in DEVICES:
+            raise ValueError(f"launch.device={self.device!r} is not a device; valid: {', '.join(DEVICES)}")
+        if self.max_restarts < 0:
+            raise ValueError(f"launch.max_restarts={self.max_restarts} must be >= 0")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(f"launch.nnodes={self.nnodes} needs launch.rdzv_endpoint=HOST:PORT (the first node)")
+        if self.threads_per_worker is not None and self.threads_per_worker < 1:
+            raise ValueError(f"launch.threads_per_worker={self.threads_per_worker} must be >= 1")
+
+    @property
+    def world_size(self) -> int:
+        assert self.nproc_per_node is not None, "nproc_per_node is resolved by the launcher"
+        return self.nnodes * self.nproc_per_node
+
+
+class WorkerFailure(RuntimeError):
+    """A worker failed; the message names it and carries its error."""
+
+
+def torchrun_command(cfg: LaunchConfig, config_path: Path) -> list[str]:
+    """The torchrun command line equivalent to :func:`launch_workers` (what cluster scripts run on each node)."""
+    if cfg.rdzv_endpoint:
+        rendezvous = [
+            f"--nnodes={cfg.nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={cfg.rdzv_endpoint}",
+            f"--rdzv-id={cfg.rdzv_id or 'RUN_ID'}",
+        ]
+    else:
+        rendezvous = ["--standalone"]
+    return [
+        "torchrun",
+        *rendezvous,
+        f"--nproc-per-node={cfg.nproc_per_node}",
+        f"--max-restarts={cfg.max_restarts}",
+        f"--monitor-interval={cfg.monitor_interval}",
+        "-m",
+        WORKER_MODULE,
+        str(config_path),
+    ]
+
+
+def launch_workers(cfg: LaunchConfig, config_path: Path) -> None:
+    """Run the workers on this node until they finish; raise :class:`WorkerFailure` if one fails."""
+    elastic = ElasticLaunchConfig(
+        min_nodes=cfg.nnodes,
+        max_nodes=cfg.nnodes,
+        nproc_per_node=cfg.nproc_per_node,
+        run_id=cfg.rdzv_id or uuid.uuid4().hex,
+        rdzv_backend="c10d",
+        rdzv_endpoint=cfg.rdzv_endpoint or "localhost:0",  # port 0: parallel jobs never collide
+        max_restarts=cfg.max_restarts,
+        monitor_interval=cfg.monitor_interval,
+    )
+    threads = cfg.threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.nproc_per_node)
+    with _environment(OMP_NUM_THREADS=str(threads)):
+        try:
+            elastic_launch(elastic, sys.executable)("-u", "-m", WORKER_MODULE, str(config_path))
+        except ChildFailedError as error:
+            raise WorkerFailure(_describe_failure(error)) from None
+
+
+def _describe_failure(error: ChildFailedError) -> str:
+    rank, failure = error.get_first_failure()
+    message = failure.message if isinstance(failure.message, str) else str(failure.message)
+    if not message or message.startswith("To enable traceback"):
+        message = "no Python traceback (killed by a signal, or failed before it started)"
+    return f"worker rank {rank} failed with exit code {failure.exitcode}:\n{message.rstrip()}"
+
+
+@contextlib.contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    """Set environment variables for the workers, unless the user set them, and restore them afterwards."""
+    saved = {k: os.environ.get(k) for k in values}
+    for key, value in values.items():
+        os.environ.setdefault(key, value)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def format_command(argv: list[str]) -> str:
+    return " ".join(shlex.quote(a) for a in argv)
