@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from loguru import logger
 from torch import Tensor, nn
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
@@ -246,9 +246,13 @@ def main(argv: list[str] | None = None) -> None:
     setup_worker_logging(run_dir, dist.get_rank(), cfg.logger)
     try:
         train(cfg, run_dir, device)
-    except Exception:
-        logger.exception(f"rank {dist.get_rank()} failed")
-        raise
+        dist.barrier()  # leave together: a peer tearing down gloo while others still talk to it aborts them
+    except Exception as error:
+        # The traceback goes to this rank's log and to the error file the launcher reports from; not to the console
+        # of every rank.
+        logger.opt(exception=error).debug(f"rank {dist.get_rank()} failed")
+        ErrorHandler().record_exception(error)
+        sys.exit(1)
     finally:
         dist.destroy_process_group()
 

@@ -34,7 +34,7 @@ def setup_worker_logging(run_dir: Path, rank: int, cfg: LoggerConfig) -> None:
     """Every rank logs everything to ``logs/rank<k>.log``; rank 0 also to the console (above its progress bar)."""
     logger.remove()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    logger.add(run_dir / "logs" / f"rank{rank}.log", level="DEBUG", enqueue=False)
+    logger.add(run_dir / "logs" / f"rank{rank}.log", level="DEBUG", diagnose=False)
     if rank == 0:
         logger.add(
             lambda message: tqdm.write(message, end="", file=sys.stderr),

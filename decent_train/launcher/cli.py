@@ -53,7 +53,11 @@ def _run_job(cfg: DictConfig) -> float | None:
         message = describe_error(error)
         if message is None:
             raise
-        _exit_with(message, 1 if isinstance(error, WorkerFailure) else 2)
+        if isinstance(error, WorkerFailure):
+            if error.traceback:
+                print(error.traceback, file=sys.stderr)
+            _exit_with(f"{message} (its log: {HydraConfig.get().runtime.output_dir}/logs/)", 1)
+        _exit_with(message, 2)
 
 
 def _check_and_launch(cfg: DictConfig) -> float | None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shlex
+import signal
 import sys
 import uuid
 from collections.abc import Iterator
@@ -54,7 +56,11 @@ class LaunchConfig:
 
 
 class WorkerFailure(RuntimeError):
-    """A worker failed; the message names it and carries its error."""
+    """A worker failed: the message names it and its error; ``traceback`` is the worker's, when it had one."""
+
+    def __init__(self, message: str, traceback: str = ""):
+        super().__init__(message)
+        self.traceback = traceback
 
 
 def torchrun_command(cfg: LaunchConfig, config_path: Path) -> list[str]:
@@ -93,19 +99,27 @@ def launch_workers(cfg: LaunchConfig, config_path: Path) -> None:
         monitor_interval=cfg.monitor_interval,
     )
     threads = cfg.threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.nproc_per_node)
+    # The agent logs each failure at ERROR; WorkerFailure reports the first one instead.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     with _environment(OMP_NUM_THREADS=str(threads)):
         try:
             elastic_launch(elastic, sys.executable)("-u", "-m", WORKER_MODULE, str(config_path))
         except ChildFailedError as error:
-            raise WorkerFailure(_describe_failure(error)) from None
+            raise _failure(error) from None
 
 
-def _describe_failure(error: ChildFailedError) -> str:
+def _failure(error: ChildFailedError) -> WorkerFailure:
+    """The first worker to fail: its last error line, and its traceback from the error file ``@record`` wrote."""
     rank, failure = error.get_first_failure()
-    message = failure.message if isinstance(failure.message, str) else str(failure.message)
-    if not message or message.startswith("To enable traceback"):
-        message = "no Python traceback (killed by a signal, or failed before it started)"
-    return f"worker rank {rank} failed with exit code {failure.exitcode}:\n{message.rstrip()}"
+    traceback = ""
+    if isinstance(failure.message, dict):
+        traceback = failure.message.get("extraInfo", {}).get("py_callstack", "")
+        what = failure.message.get("message", "")
+    elif failure.exitcode < 0:
+        what = f"killed by signal {signal.Signals(-failure.exitcode).name}"
+    else:
+        what = "no Python error recorded (it failed before it started, or exited on its own)"
+    return WorkerFailure(f"worker rank {rank} failed (exit code {failure.exitcode}): {what}", traceback.rstrip())
 
 
 @contextlib.contextmanager
