@@ -78,7 +78,7 @@ def replay(
         with torch.no_grad():
             for name in names:
                 stacked = torch.stack([dict(m.named_parameters())[name] for m in models])
-                new = torch.einsum("ij,j...->i...", mixed, stacked)
+                new = torch.einsum("ij,j...->i...", mixed.to(stacked.dtype), stacked)
                 for i, m in enumerate(models):
                     dict(m.named_parameters())[name].copy_(new[i])
         for o, sch in zip(optimizers, schedulers):

@@ -1,0 +1,156 @@
+"""The worker's training loop against single-process oracles, in fork-started gloo workers (no torchrun).
+
+``algorithm=decentralized``: the final model (the average of the workers' models) must equal the average of a replay
+of decentralized training on the same batches (tests/replay.py); ``algorithm=allreduce``: one process taking the mean
+loss over all workers' batches. Both also check the logged ``train/loss`` against the oracle's losses and the
+reported accuracy against an evaluation of the oracle's model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from decent_train.components.data import Datasets, build_datasets, train_batches
+from decent_train.components.models import build_model
+from decent_train.components.optim import make_optim_fn, make_scheduler_fn
+from decent_train.config import TrainConfig, check_config
+from decent_train.worker import METRICS_FILE, MODEL_FILE, RESULT_FILE, train
+
+from .distributed import run_workers
+from .replay import replay
+
+WORLD = 2
+
+
+def make_cfg(run_dir: Path, **overrides: Any) -> TrainConfig:
+    cfg: dict[str, Any] = {
+        "model": {"name": "mlp", "hidden_sizes": [32]},
+        "optim": {"name": "accum_adamw", "lr": 0.01, "accum_iter": 2},
+        "scheduler": {"name": "cosine", "warmup_steps": 2},
+        "launch": {"nproc_per_node": WORLD},
+        "logger": {"log_every": 2, "progress_bar": False},
+        "steps": 6,
+        "batch_size": 16,
+        "accum_steps": 2,
+        "eval_every": 3,
+        "seed": 7,
+        "run": {"output_dir": str(run_dir)},
+    }
+    for key, value in overrides.items():
+        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
+    return check_config(cfg)
+
+
+def _train(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
+    return train(cfg, Path(cfg.run.output_dir), torch.device("cpu"))
+
+
+def worker_batches(cfg: TrainConfig, data: Datasets) -> list[list[tuple[Tensor, Tensor]]]:
+    """The micro-batches each rank draws, in order (the worker's own sharding, called here as the data source)."""
+    count = cfg.steps * cfg.accum_steps
+    streams = [train_batches(data.train, cfg.batch_size, r, WORLD, cfg.seed) for r in range(WORLD)]
+    return [[next(stream) for _ in range(count)] for stream in streams]
+
+
+def initial_model(cfg: TrainConfig, data: Datasets) -> nn.Module:
+    torch.manual_seed(cfg.seed)
+    return build_model(cfg.model, data.input_shape, data.num_classes)
+
+
+def accuracy(model: nn.Module, data: Datasets) -> float:
+    x, y = data.test.tensors
+    with torch.no_grad():
+        return (model(x).argmax(1) == y).double().mean().item()
+
+
+def logged_losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
+    return {r["step"]: r["train/loss"] for r in records}
+
+
+def expected_window_losses(losses: dict[tuple[int, int, int], float], cfg: TrainConfig) -> dict[int, float]:
+    """Mean loss over all workers and micro-batches since the previous record, for each logged step."""
+    logged = sorted({s for s in range(1, cfg.steps + 1) if s % cfg.logger.log_every == 0 or s % cfg.eval_every == 0} | {cfg.steps})
+    out, previous = {}, 0
+    for step in logged:
+        window = [v for (rank, s, micro), v in losses.items() if previous <= s < step]
+        out[step] = sum(window) / len(window)
+        previous = step
+    return out
+
+
+def check_run(cfg: TrainConfig, oracle_model: nn.Module, losses: dict, data: Datasets) -> None:
+    run_dir = Path(cfg.run.output_dir)
+    saved = torch.load(run_dir / MODEL_FILE)
+    for name, value in oracle_model.state_dict().items():
+        torch.testing.assert_close(saved[name], value, rtol=1e-4, atol=2e-5, msg=f"final model differs at {name}")
+    logged = logged_losses(run_dir)
+    for step, want in expected_window_losses(losses, cfg).items():
+        assert logged[step] == pytest.approx(want, rel=1e-5), f"train/loss at step {step}"
+    result = json.loads((run_dir / RESULT_FILE).read_text())
+    assert result["eval/accuracy"] == pytest.approx(accuracy(oracle_model, data), abs=1e-12)
+    assert result["steps"] == cfg.steps and result["samples"] == cfg.steps * WORLD * cfg.batch_size * cfg.accum_steps
+
+
+@pytest.mark.parametrize("topology", ["ring", "complete"])
+def test_decentralized_run_matches_replay(tmp_path: Path, topology: str) -> None:
+    cfg = make_cfg(tmp_path, topology={"name": topology})
+    run_workers(_train, WORLD, cfg)
+
+    data = build_datasets(cfg.dataset)
+    batches = worker_batches(cfg, data)
+    losses: dict[tuple[int, int, int], float] = {}
+
+    def loss(model: nn.Module, rank: int, step: int, micro: int) -> Tensor:
+        x, y = batches[rank][step * cfg.accum_steps + micro]
+        value = F.cross_entropy(model(x), y)
+        losses[(rank, step, micro)] = value.item()
+        return value / cfg.accum_steps
+
+    from decent_train import build_topology
+
+    models = replay(
+        build_topology(topology, WORLD, WORLD),
+        cfg.steps,
+        optim_fn=make_optim_fn(cfg.optim),
+        lr_scheduler_fn=make_scheduler_fn(cfg.scheduler, cfg.steps),
+        model_fn=lambda _: initial_model(cfg, data),
+        loss=loss,
+        micro_batches=cfg.accum_steps,
+    )
+    average = initial_model(cfg, data)
+    with torch.no_grad():
+        for name, param in average.named_parameters():
+            param.copy_(torch.stack([m[name] for m in models]).mean(0))
+    check_run(cfg, average, losses, data)
+
+
+def test_allreduce_run_matches_single_process(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path, algorithm="allreduce", optim={"name": "adamw"}, grad_clip_norm=0.5)
+    run_workers(_train, WORLD, cfg)
+
+    data = build_datasets(cfg.dataset)
+    batches = worker_batches(cfg, data)
+    model = initial_model(cfg, data)
+    optimizer = make_optim_fn(cfg.optim)(list(model.named_parameters()))
+    scheduler = make_scheduler_fn(cfg.scheduler, cfg.steps)(optimizer)
+    losses = {}
+    for step in range(cfg.steps):
+        for micro in range(cfg.accum_steps):
+            for rank in range(WORLD):  # DDP averages the gradients: the mean of the ranks' losses
+                x, y = batches[rank][step * cfg.accum_steps + micro]
+                value = F.cross_entropy(model(x), y)
+                losses[(rank, step, micro)] = value.item()
+                (value / (WORLD * cfg.accum_steps)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+    check_run(cfg, model, losses, data)
