@@ -88,6 +88,10 @@ class TrainConfig:
                 f"eval_every={self.eval_every} and grad_clip_norm={self.grad_clip_norm} must be >= 0, "
                 f"bucket_size_mb={self.bucket_size_mb} > 0"
             )
+        if self.model.name == "cnn" and self.dataset.name == "synthetic" and len(self.dataset.input_shape) != 3:
+            raise ValueError(
+                f"model=cnn needs images (channels, height, width), but dataset.input_shape={list(self.dataset.input_shape)}"
+            )
         if self.algorithm == "decentralized" and self.launch.nproc_per_node is not None:
             self.topology.import_module()
             local = self.topology.local_world_size or self.launch.nproc_per_node

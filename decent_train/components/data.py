@@ -1,14 +1,14 @@
 """Datasets the launcher can build by name, and their per-worker sharding.
 
 ``digits`` (the 8x8 handwritten digits scikit-learn ships: real data, no download), ``synthetic`` (Gaussian class
-clusters of any size, for throughput) and ``npz`` (your own arrays: a directory with ``train.npz`` and ``test.npz``,
+clusters of any size and shape, for throughput) and ``npz`` (your own arrays: a directory with ``train.npz`` and ``test.npz``,
 each holding ``x`` and ``y``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -30,7 +30,7 @@ class DatasetConfig:
     test_fraction: float = 0.2  # digits: share held out for evaluation
     split_seed: int = 0  # digits, synthetic: the train/test split and the synthetic data do not depend on the run seed
     num_samples: int = 8192  # synthetic: training samples (plus a quarter as many test samples)
-    num_features: int = 64  # synthetic
+    input_shape: list[int] = field(default_factory=lambda: [1, 16, 16])  # synthetic: one sample's shape
     num_classes: int = 10  # synthetic
     noise: float = 2.0  # synthetic: standard deviation around the class centres
 
@@ -48,9 +48,11 @@ class DatasetConfig:
                 raise ValueError(f"dataset.root={self.root} has no {' or '.join(missing)}; expected {_NPZ_LAYOUT}")
         if not 0.0 < self.test_fraction < 1.0:
             raise ValueError(f"dataset.test_fraction={self.test_fraction} must be in (0, 1)")
-        for key in ("num_samples", "num_features", "num_classes"):
-            if getattr(self, key) < 1 or (key == "num_classes" and self.num_classes < 2):
-                raise ValueError(f"dataset.{key}={getattr(self, key)} is too small")
+        if self.num_samples < 1 or self.num_classes < 2 or not self.input_shape or min(self.input_shape) < 1:
+            raise ValueError(
+                f"dataset.num_samples={self.num_samples} must be >= 1, dataset.num_classes={self.num_classes} >= 2, "
+                f"dataset.input_shape={list(self.input_shape)} positive sizes"
+            )
 
 
 @dataclass
@@ -90,11 +92,12 @@ def _split(n: int, test_fraction: float, seed: int) -> tuple[Tensor, Tensor]:
 
 def _synthetic(cfg: DatasetConfig) -> Datasets:
     gen = torch.Generator().manual_seed(cfg.split_seed)
-    centres = torch.randn(cfg.num_classes, cfg.num_features, generator=gen) * 2.0
+    shape = tuple(cfg.input_shape)
+    centres = torch.randn(cfg.num_classes, *shape, generator=gen) * 2.0
 
     def sample(n: int) -> tuple[Tensor, Tensor]:
         y = torch.randint(cfg.num_classes, (n,), generator=gen)
-        return centres[y] + cfg.noise * torch.randn(n, cfg.num_features, generator=gen), y
+        return centres[y] + cfg.noise * torch.randn(n, *shape, generator=gen), y
 
     return _datasets(*sample(cfg.num_samples), *sample(max(1, cfg.num_samples // 4)))
 

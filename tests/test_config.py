@@ -1,0 +1,104 @@
+"""The config tree and its schema: every option of every group composes and passes the checks; bad values are
+refused with a message naming them; the config ships inside the wheel."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+
+from decent_train.config import TrainConfig, check_config
+from decent_train.launcher.cli import _conf_dir
+from decent_train.launcher.launch import LaunchConfig, torchrun_command
+
+CONF = Path(_conf_dir())
+REPO = Path(__file__).resolve().parents[1]
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
+OPTIONS = [(group, p.stem) for group in GROUPS for p in sorted((CONF / group).glob("*.yaml"))]
+
+
+@pytest.fixture
+def npz_dir(tmp_path: Path) -> Path:
+    for split, n in (("train", 12), ("test", 4)):
+        np.savez(tmp_path / f"{split}.npz", x=np.arange(n * 6, dtype=np.uint8).reshape(n, 6), y=np.arange(n) % 3)
+    return tmp_path
+
+
+def test_conf_groups_mirror_the_schema() -> None:
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert set(GROUPS) <= fields
+    assert {"model", "dataset", "optim", "scheduler", "topology", "launch", "logger"} <= set(GROUPS)
+
+
+@pytest.mark.parametrize("group,option", OPTIONS)
+def test_every_option_composes_and_checks(group: str, option: str, npz_dir: Path) -> None:
+    overrides = [f"{group}={option}"]
+    if (group, option) == ("dataset", "npz"):
+        overrides.append(f"dataset.root={npz_dir}")
+    if (group, option) == ("launch", "gpu"):
+        overrides.append("launch.nproc_per_node=2")  # null means one per GPU, resolved by the launcher
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    checked = check_config(cfg)
+    assert getattr(checked, group).__class__ is type(getattr(TrainConfig(), group))
+    if "name" in cfg[group]:
+        assert getattr(checked, group).name == option
+
+
+@pytest.mark.parametrize(
+    "override,fragment",
+    [
+        ({"model": {"name": "vit"}}, "model.name='vit'"),
+        ({"model": {"dropout": 1.5}}, "model.dropout=1.5"),
+        ({"optim": {"lr": 0.0}}, "optim.lr=0.0"),
+        ({"optim": {"accum_iter": 0}}, "optim.accum_iter=0"),
+        ({"scheduler": {"name": "step"}}, "scheduler.name='step'"),
+        ({"dataset": {"name": "npz"}}, "dataset=npz needs dataset.root"),
+        ({"launch": {"device": "tpu"}}, "launch.device='tpu'"),
+        ({"launch": {"nnodes": 2}}, "launch.rdzv_endpoint"),
+        ({"logger": {"log_every": 0}}, "logger.log_every=0"),
+        ({"batch_size": 0}, "batch_size=0"),
+        ({"model": {"name": "cnn"}, "dataset": {"name": "synthetic", "input_shape": [64]}}, "model=cnn needs images"),
+        ({"steps": 0, "epochs": 0}, "epochs=0"),
+        ({"topology": {"name": "torus"}}, "unknown topology 'torus'"),
+        ({"topology": {"module": "no_such_module_here"}}, "topology.module='no_such_module_here'"),
+        ({"topology": {"name": "alternating-exp-ring", "local_world_size": 1}, "launch": {"nproc_per_node": 3}}, "3 workers"),
+    ],
+)
+def test_bad_values_name_themselves(override: dict, fragment: str) -> None:
+    with pytest.raises(ValueError, match=None) as error:
+        check_config(override)
+    assert fragment in str(error.value)
+
+
+def test_allreduce_ignores_the_topology() -> None:
+    cfg = check_config({"algorithm": "allreduce", "topology": {"name": "one-peer-exp"}, "launch": {"nproc_per_node": 3}})
+    assert cfg.launch.world_size == 3
+
+
+def test_multi_node_torchrun_command() -> None:
+    cfg = LaunchConfig(nproc_per_node=8, nnodes=2, rdzv_endpoint="node1:29400", rdzv_id="job42", max_restarts=3)
+    assert torchrun_command(cfg, Path("/runs/x/resolved_config.yaml")) == [
+        "torchrun", "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=node1:29400", "--rdzv-id=job42",
+        "--nproc-per-node=8", "--max-restarts=3", "--monitor-interval=0.1",
+        "-m", "decent_train.worker", "/runs/x/resolved_config.yaml",
+    ]  # fmt: skip
+
+
+def test_wheel_contains_the_config(tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(REPO)],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("decent_train-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = {f"decent_train/conf/{p.relative_to(REPO / 'conf')}" for p in (REPO / "conf").rglob("*.yaml")}
+    assert expected and expected <= names
+    assert "decent_train/launcher/cli.py" in names and "decent_train/worker.py" in names
