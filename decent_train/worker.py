@@ -48,7 +48,7 @@ class Decentralized:
             topology=cfg.topology.name,
             grad_clip_norm=cfg.grad_clip_norm,
             bucket_size_in_mb=cfg.bucket_size_mb,
-            local_world_size=cfg.topology.local_world_size or cfg.launch.nproc_per_node,
+            local_world_size=cfg.topology.local_world_size,  # None: torchrun's LOCAL_WORLD_SIZE
             sync_buffer_in_global_avg=True,  # BatchNorm statistics are averaged with the parameters for evaluation
         )
         self.model, self.net = self.engine, net
