@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from loguru import logger
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
@@ -169,14 +169,15 @@ def train(cfg: TrainConfig, run_dir: Path, device: torch.device) -> dict[str, An
 
         evaluate_now = step == total_steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
         if step % cfg.logger.log_every == 0 or evaluate_now:
+            dist.all_reduce(window)
+            loss_sum, micro_batches = window.tolist()  # waits for the device: the window's time is complete
             elapsed = time.perf_counter() - window_start
             train_seconds += elapsed
-            dist.all_reduce(window)
-            steps_in_window = window[1].item() / world / cfg.accum_steps
+            steps_in_window = micro_batches / world / cfg.accum_steps
             record = {
                 "step": step,
                 "epoch": step / max(1, steps_per_epoch),
-                "train/loss": window[0].item() / window[1].item(),
+                "train/loss": loss_sum / micro_batches,
                 "train/lr": algo.lr(),
                 "throughput/samples_per_s": steps_in_window * samples_per_step / elapsed,
                 "time/step_ms": 1000 * elapsed / steps_in_window,

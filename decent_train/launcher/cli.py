@@ -69,11 +69,11 @@ def _check_and_launch(cfg: DictConfig) -> float | None:
     cfg.run.overrides = list(hydra_cfg.overrides.task)
     cfg.run.job_num = hydra_cfg.job.num if multirun else None
     cfg.run.sweep_dir = str(Path(hydra_cfg.sweep.dir).resolve()) if multirun else None
-    if cfg.launch.nproc_per_node is None:  # one worker per GPU
-        cfg.launch.nproc_per_node = torch.cuda.device_count()
-    train_cfg = check_config(cfg)
-    if train_cfg.launch.device == "cuda" and not torch.cuda.is_available():
+    if cfg.launch.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("launch.device=cuda but no CUDA device is visible; valid here: launch.device=cpu")
+    if cfg.launch.nproc_per_node is None:  # one worker per GPU
+        cfg.launch.nproc_per_node = max(1, torch.cuda.device_count())
+    train_cfg = check_config(cfg)
     config_path = run_dir / RESOLVED_CONFIG
     OmegaConf.save(OmegaConf.structured(train_cfg), config_path)
 
@@ -126,7 +126,7 @@ def describe_error(error: BaseException) -> str | None:
         return f"{group}={option} is not an option; valid: {', '.join(error.options)}"
     cause = error.__cause__ if isinstance(error, ConfigCompositionException) else error
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key:
-        parent, _, key = str(cause.full_key).rpartition(".")
+        parent = str(cause.full_key).rpartition(".")[0]
         valid = _field_names(cause.object_type)
         where = f"in {parent}" if parent else "at the top level"
         return f"{cause.full_key} is not a key; valid {where}: {', '.join(valid)}" if valid else str(cause.msg)
