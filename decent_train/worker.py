@@ -7,12 +7,13 @@ average of the workers' models, and (rank 0) writes metrics.jsonl, result.json a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,14 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from decent_train.components.data import build_datasets, eval_batches, micro_batches_per_epoch, train_batches
-from decent_train.components.metrics import MetricLogger, setup_worker_logging
+from decent_train.components.metrics import (
+    MetricLogger,
+    allreduce_bytes_per_step,
+    consensus_distance,
+    gossip_bytes_per_step,
+    peak_memory_bytes,
+    setup_worker_logging,
+)
 from decent_train.components.models import build_model
 from decent_train.components.optim import make_optim_fn, make_scheduler_fn
 from decent_train.config import TrainConfig, load_config
@@ -61,6 +69,23 @@ class Decentralized:
 
     def lr(self) -> float:
         return self.engine.get_lr()
+
+    def comm_wait_seconds(self) -> float | None:
+        return self.engine.comm_wait_seconds
+
+    def bytes_per_step(self) -> float:
+        return gossip_bytes_per_step(self.engine.topology, dist.get_rank(), self.engine.bucket_bytes)
+
+    def info(self) -> dict[str, Any]:
+        topology = self.engine.topology
+        return {
+            "topology/name": topology.__class__.__name__,
+            "topology/rounds": topology.describe(),
+            "topology/period": topology.period,
+            "topology/spectral_gap": topology.spectral_gap(),
+            "engine/buckets": len(self.engine.bucket_bytes),
+            "engine/bucket_mb": [round(b / 2**20, 4) for b in self.engine.bucket_bytes],
+        }
 
     @contextlib.contextmanager
     def averaged(self) -> Iterator[None]:
@@ -100,6 +125,16 @@ class AllReduce:
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
+    def comm_wait_seconds(self) -> float | None:
+        return None  # DDP's all-reduce waits inside backward, where it cannot be told apart from compute
+
+    def bytes_per_step(self) -> float:
+        nbytes = sum(p.numel() * p.element_size() for p in self.net.parameters() if p.requires_grad)
+        return allreduce_bytes_per_step(dist.get_world_size(), nbytes)
+
+    def info(self) -> dict[str, Any]:
+        return {"ddp/bucket_cap_mb": self.model.bucket_bytes_cap / 2**20}
+
     def averaged(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()  # all-reduce keeps the workers' models equal
 
@@ -130,95 +165,152 @@ def evaluate(net: nn.Module, cfg: TrainConfig, test: Any, device: torch.device) 
     return {"eval/loss": loss / count, "eval/accuracy": correct / count}
 
 
-def train(cfg: TrainConfig, run_dir: Path, device: torch.device) -> dict[str, Any]:
+OnRecord = Callable[[dict[str, Any], nn.Module], None]
+
+
+def train(cfg: TrainConfig, run_dir: Path, device: torch.device, on_record: OnRecord | None = None) -> dict[str, Any]:
+    """Train as ``cfg`` says; rank 0 writes the metrics, the result and the averaged model into ``run_dir``.
+
+    ``on_record(record, model)`` runs on every rank after each record is measured (before any evaluation).
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
     data = build_datasets(cfg.dataset)
     torch.manual_seed(cfg.seed)  # the same initial model on every worker
     net = build_model(cfg.model, data.input_shape, data.num_classes).to(device)
     torch.manual_seed(cfg.seed + rank)  # dropout and any other randomness differ per worker
 
-    steps_per_epoch = micro_batches_per_epoch(data.train, cfg.batch_size, world) // cfg.accum_steps
-    total_steps = cfg.steps or math.ceil(cfg.epochs * max(1, steps_per_epoch))
+    steps_per_epoch = max(1, micro_batches_per_epoch(data.train, cfg.batch_size, world) // cfg.accum_steps)
+    total_steps = cfg.steps or math.ceil(cfg.epochs * steps_per_epoch)
     algo = Decentralized(net, cfg, total_steps) if cfg.algorithm == "decentralized" else AllReduce(net, cfg, total_steps)
-    samples_per_step = world * cfg.batch_size * cfg.accum_steps
     batches = train_batches(data.train, cfg.batch_size, rank, world, cfg.seed)
-    metrics = MetricLogger(run_dir / METRICS_FILE if rank == 0 else None)
-    logger.info(
-        f"{cfg.algorithm}"
-        + (f", {algo.engine.topology.describe()}" if isinstance(algo, Decentralized) else f", {world} workers")
-        + f"; {sum(p.numel() for p in net.parameters()):,} parameters; {len(data.train)} training samples; "
-        f"{total_steps} steps of {samples_per_step} samples ({total_steps / max(1, steps_per_epoch):.1f} epochs)"
-    )
+    trainable = [p for p in net.parameters() if p.requires_grad]
+    info = {
+        "world_size": world,
+        "model/parameters": sum(p.numel() for p in trainable),
+        "data/train_samples": len(data.train),
+        "steps": total_steps,
+        **algo.info(),
+    }
+    logger.info(" | ".join(f"{k} {v}" for k, v in info.items()))
+    metrics = MetricLogger(run_dir if rank == 0 else None, cfg.logger, dataclasses.asdict(cfg))
+    metrics.log_info(info)
+    try:
+        result = _train_loop(cfg, algo, batches, trainable, data.test, device, total_steps, steps_per_epoch, metrics, on_record)
+    except BaseException:
+        metrics.close(failed=True)
+        raise
+    metrics.close()
 
-    bar = tqdm(total=total_steps, unit="step", disable=rank != 0 or not cfg.logger.progress_bar, dynamic_ncols=True)
-    window = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, micro-batches since the last record
+    result |= {"world_size": world, "algorithm": cfg.algorithm, "model_path": str(run_dir / MODEL_FILE)}
+    result["topology"] = cfg.topology.name if cfg.algorithm == "decentralized" else None
+    if rank == 0:
+        torch.save({k: v.cpu() for k, v in algo.net.state_dict().items()}, run_dir / MODEL_FILE)
+        (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
+        logger.info(f"done: eval/accuracy {result['eval/accuracy']:.4f}, {result['throughput/samples_per_s']:.0f} samples/s")
+    return result
+
+
+def _train_loop(
+    cfg: TrainConfig,
+    algo: Decentralized | AllReduce,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    trainable: list[nn.Parameter],
+    test: Any,
+    device: torch.device,
+    total_steps: int,
+    steps_per_epoch: int,
+    metrics: MetricLogger,
+    on_record: OnRecord | None,
+) -> dict[str, Any]:
+    world = dist.get_world_size()
+    samples_per_step = cfg.batch_size * cfg.accum_steps  # per worker
+    bytes_per_step = algo.bytes_per_step()
+    bar = tqdm(total=total_steps, unit="step", disable=dist.get_rank() != 0 or not cfg.logger.progress_bar, dynamic_ncols=True)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # summed on the device: no host sync per step
+    micro_batches, data_seconds, comm_start = 0, 0.0, algo.comm_wait_seconds() or 0.0
     window_start = train_start = time.perf_counter()
     train_seconds = 0.0
     record: dict[str, Any] = {}
     for step in range(1, total_steps + 1):
         for micro in range(cfg.accum_steps):
+            data_start = time.perf_counter()
             x, y = (t.to(device, non_blocking=True) for t in next(batches))
-            last = micro == cfg.accum_steps - 1
-            with contextlib.nullcontext() if last else algo.no_sync():
+            data_seconds += time.perf_counter() - data_start
+            with contextlib.nullcontext() if micro == cfg.accum_steps - 1 else algo.no_sync():
                 loss = F.cross_entropy(algo.model(x), y)
                 (loss / cfg.accum_steps).backward()
-            window[0] += loss.detach().double()  # no host sync per step
-            window[1] += 1
+            loss_sum += loss.detach()
+            micro_batches += 1
         algo.step()
         bar.update()
 
         evaluate_now = step == total_steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
-        if step % cfg.logger.log_every == 0 or evaluate_now:
-            dist.all_reduce(window)
-            loss_sum, micro_batches = window.tolist()  # waits for the device: the window's time is complete
-            elapsed = time.perf_counter() - window_start
-            train_seconds += elapsed
-            steps_in_window = micro_batches / world / cfg.accum_steps
-            record = {
-                "step": step,
-                "epoch": step / max(1, steps_per_epoch),
-                "train/loss": loss_sum / micro_batches,
-                "train/lr": algo.lr(),
-                "throughput/samples_per_s": steps_in_window * samples_per_step / elapsed,
-                "time/step_ms": 1000 * elapsed / steps_in_window,
-                "time/elapsed_s": time.perf_counter() - train_start,
-            }
-            if evaluate_now:
-                if step == total_steps:
-                    algo.average()  # the final model is the average of the workers' models
-                with algo.averaged():
-                    record.update(evaluate(algo.net, cfg, data.test, device))
-            metrics.log(record)
-            bar.set_postfix(
-                {"loss": f"{record['train/loss']:.4f}", "samples/s": f"{record['throughput/samples_per_s']:.0f}"}
-                | ({"acc": f"{record['eval/accuracy']:.4f}"} if "eval/accuracy" in record else {}),
-                refresh=False,
-            )
-            window.zero_()
-            window_start = time.perf_counter()
+        consensus_now = cfg.logger.consensus_every > 0 and step % cfg.logger.consensus_every == 0
+        if not (step % cfg.logger.log_every == 0 or evaluate_now or consensus_now):
+            continue
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the window's time includes its queued work
+        elapsed = time.perf_counter() - window_start
+        train_seconds += elapsed
+        comm_seconds = (algo.comm_wait_seconds() or 0.0) - comm_start
+        stats = _gather(  # one row per worker
+            [loss_sum, micro_batches, elapsed, data_seconds, comm_seconds, peak_memory_bytes(device), bytes_per_step], device
+        )
+        steps_in_window = micro_batches / cfg.accum_steps
+        loss_total, micro_total, elapsed_w, data_w, comm_w, memory_w, bytes_w = stats.T
+        record = {
+            "step": step,
+            "epoch": step / steps_per_epoch,
+            "train/loss": (loss_total.sum() / micro_total.sum()).item(),
+            "train/lr": algo.lr(),
+            "throughput/samples_per_s": world * steps_in_window * samples_per_step / elapsed_w.max().item(),
+            # The slowest worker at its own pace (time blocked on its neighbours removed): exposes a straggler, whom
+            # the others wait for.
+            "throughput/samples_per_s_min_worker": steps_in_window * samples_per_step / (elapsed_w - comm_w).max().item(),
+            "time/step_ms": 1000 * elapsed_w.mean().item() / steps_in_window,
+            "time/data_ms": 1000 * data_w.mean().item() / steps_in_window,
+            "comm/bytes_per_step": bytes_w.mean().item(),
+            "memory/peak_gib": memory_w.max().item() / 2**30,
+            "time/elapsed_s": time.perf_counter() - train_start,
+        }
+        if algo.comm_wait_seconds() is not None:
+            record["time/comm_wait_ms"] = 1000 * comm_w.mean().item() / steps_in_window
+        if consensus_now:
+            record["consensus/distance"], record["consensus/relative"] = consensus_distance(trainable)
+        if on_record is not None:
+            on_record(record, algo.net)
+        if evaluate_now:
+            if step == total_steps:
+                algo.average()  # the final model is the average of the workers' models
+            with algo.averaged():
+                record.update(evaluate(algo.net, cfg, test, device))
+        metrics.log(record)
+        bar.set_postfix(
+            {"loss": f"{record['train/loss']:.4f}", "samples/s": f"{record['throughput/samples_per_s']:.0f}"}
+            | ({"acc": f"{record['eval/accuracy']:.4f}"} if "eval/accuracy" in record else {}),
+            refresh=False,
+        )
+        loss_sum.zero_()
+        micro_batches, data_seconds, comm_start = 0, 0.0, algo.comm_wait_seconds() or 0.0
+        window_start = time.perf_counter()
     bar.close()
-    metrics.close()
-
-    result = {
+    return {
         "eval/accuracy": record["eval/accuracy"],
         "eval/loss": record["eval/loss"],
         "train/loss": record["train/loss"],
         "steps": total_steps,
-        "samples": total_steps * samples_per_step,
+        "samples": total_steps * samples_per_step * world,
         "train_time_s": train_seconds,
-        "throughput/samples_per_s": total_steps * samples_per_step / train_seconds,
-        "world_size": world,
-        "algorithm": cfg.algorithm,
-        "topology": cfg.topology.name if cfg.algorithm == "decentralized" else None,
-        "model_path": str(run_dir / MODEL_FILE),
+        "throughput/samples_per_s": total_steps * samples_per_step * world / train_seconds,
     }
-    if rank == 0:
-        torch.save({k: v.cpu() for k, v in algo.net.state_dict().items()}, run_dir / MODEL_FILE)
-        (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
-        logger.info(
-            f"done: eval/accuracy {result['eval/accuracy']:.4f}, {result['throughput/samples_per_s']:.0f} samples/s"
-        )
-    return result
+
+
+def _gather(values: list[float | torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Every worker's values, one row per rank (a few numbers: cheap)."""
+    row = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
+    rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, row)
+    return torch.stack(rows).cpu()
 
 
 def init_distributed(device_kind: str) -> torch.device:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from omegaconf import OmegaConf
 
 from decent_train.components.data import build_datasets
@@ -84,6 +85,18 @@ def test_multirun_of_three_topologies(tmp_path: Path) -> None:
         result = json.loads((run_dir / "result.json").read_text())
         assert result["topology"] == topology and result["steps"] == 10
         assert records(run_dir)[-1]["eval/accuracy"] == result["eval/accuracy"]
+        assert any("consensus/distance" in r for r in records(run_dir))
+
+    plot = subprocess.run([str(COMMAND) + "-plot", str(sweep)], capture_output=True, text=True, timeout=120)
+    assert plot.returncode == 0, plot.stderr
+    charts = sorted(p.name for p in (sweep / "plots").glob("*.png"))
+    assert charts == sorted(
+        f"{what}_vs_{axis}.png" for what in ("loss", "accuracy", "consensus") for axis in ("step", "time")
+    ) + ["throughput.png"]
+    for chart in charts:
+        with Image.open(sweep / "plots" / chart) as image:
+            image.verify()
+            assert image.format == "PNG" and image.size[0] > 100 and image.size[1] > 100
 
 
 def test_allreduce(tmp_path: Path) -> None:

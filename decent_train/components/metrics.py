@@ -1,68 +1,202 @@
-"""Where a run's numbers and messages go: metrics.jsonl and the console (rank 0), a log file per rank."""
+"""Where a run's numbers go, and the numbers only a distributed run has.
+
+Sinks (rank 0): ``metrics.jsonl`` always, wandb (offline by default: files in the run directory, no account needed),
+the console and the progress bar. Every rank logs everything to ``logs/rank<k>.log``. A wandb failure never stops
+training: it is reported once and the JSONL goes on.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Optional, TextIO
 
+import torch
+import torch.distributed as dist
 from loguru import logger
+from torch import Tensor
 from tqdm import tqdm
 
+from decent_train.engine.topology import Topology
+
 LEVELS = ("TRACE", "DEBUG", "INFO", "SUCCESS", "WARNING", "ERROR")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass
+class WandbConfig:
+    """``logger.wandb``: ``online`` uploads (set project/entity; the API key comes from ``wandb login`` or
+    ``WANDB_API_KEY``, never from the config); ``offline`` writes ``RUN_DIR/wandb/`` for ``wandb sync`` later."""
+
+    mode: str = "offline"
+    project: str = "decent-train"
+    entity: Optional[str] = None
+    group: Optional[str] = None  # null: the sweep directory, so the runs of one sweep share a group
+    name: Optional[str] = None  # null: the job's command-line overrides
+    tags: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.mode not in WANDB_MODES:
+            raise ValueError(f"logger.wandb.mode={self.mode!r} is not a mode; valid: {', '.join(WANDB_MODES)}")
 
 
 @dataclass
 class LoggerConfig:
     """``conf/logger/*.yaml``."""
 
-    log_every: int = 10  # optimizer steps between metric records
+    log_every: int = 10  # optimizer steps between records
+    consensus_every: int = 10  # steps between consensus-distance measurements (one all-reduce of the parameters); 0: never
     progress_bar: bool = True  # rank 0, on the console
-    console_level: str = "INFO"  # rank 0's console; every rank's file gets DEBUG
+    console_level: str = "INFO"  # every rank's file gets DEBUG
+    console_all_ranks: bool = False  # also print the other ranks' messages
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:
-        if self.log_every < 1:
-            raise ValueError(f"logger.log_every={self.log_every} must be >= 1")
+        if self.log_every < 1 or self.consensus_every < 0:
+            raise ValueError(
+                f"logger.log_every={self.log_every} must be >= 1 and logger.consensus_every={self.consensus_every} >= 0"
+            )
         if self.console_level.upper() not in LEVELS:
             raise ValueError(f"logger.console_level={self.console_level!r} is not a level; valid: {', '.join(LEVELS)}")
 
 
 def setup_worker_logging(run_dir: Path, rank: int, cfg: LoggerConfig) -> None:
-    """Every rank logs everything to ``logs/rank<k>.log``; rank 0 also to the console (above its progress bar)."""
+    """Every rank logs everything to ``logs/rank<k>.log``; rank 0 (or every rank) also to the console."""
     logger.remove()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     logger.add(run_dir / "logs" / f"rank{rank}.log", level="DEBUG", diagnose=False)
-    if rank == 0:
+    if rank == 0 or cfg.console_all_ranks:
         logger.add(
             lambda message: tqdm.write(message, end="", file=sys.stderr),
             level=cfg.console_level.upper(),
-            format="<green>{time:HH:mm:ss}</green> | <level>{message}</level>",
+            format="<green>{time:HH:mm:ss}</green> | " + ("" if rank == 0 else f"rank {rank} | ") + "<level>{message}</level>",
             colorize=sys.stderr.isatty(),
         )
 
 
 class MetricLogger:
-    """One JSON object per record in ``metrics.jsonl`` (namespaced keys such as ``train/loss``), written by rank 0."""
+    """Rank 0's sinks: one JSON object per record in ``metrics.jsonl`` (namespaced keys such as ``train/loss``), and
+    the same record to wandb. Other ranks get a logger that does nothing."""
 
-    def __init__(self, path: Path | None):
-        self._file: TextIO | None = path.open("a") if path is not None else None
+    def __init__(self, run_dir: Path | None, cfg: LoggerConfig, config: dict[str, Any]):
+        self._file: TextIO | None = (run_dir / "metrics.jsonl").open("a") if run_dir is not None else None
+        self._wandb: Any = None
+        if run_dir is not None and cfg.wandb.mode != "disabled":
+            self._wandb = _start_wandb(cfg.wandb, run_dir, config)
 
-    def log(self, metrics: dict[str, Any]) -> None:
+    def log_info(self, info: dict[str, Any]) -> None:
+        """Facts about the run known at its start (topology, model and bucket sizes): wandb's config."""
+        if self._wandb is not None:
+            self._guard(lambda: self._wandb.config.update({"info": info}, allow_val_change=True))
+
+    def log(self, record: dict[str, Any]) -> None:
         if self._file is None:
             return
-        record = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+        record = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        logger.debug(" ".join(f"{k}={_fmt(v)}" for k, v in metrics.items()))
+        logger.debug(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()))
+        if self._wandb is not None:
+            self._guard(lambda: self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"]))
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Always called, also when training failed: the wandb run is finished with the right exit code."""
+        if self._wandb is not None:
+            self._guard(lambda: self._wandb.finish(exit_code=1 if failed else 0))
+            self._wandb = None
         if self._file is not None:
             self._file.close()
             self._file = None
 
+    def _guard(self, call: Any) -> None:
+        try:
+            call()
+        except Exception as error:  # noqa: BLE001 - wandb must never stop training
+            logger.warning(f"wandb failed ({type(error).__name__}: {error}); it is off for the rest of this run, "
+                           "metrics.jsonl goes on")
+            self._wandb = None
+
+
+def _start_wandb(cfg: WandbConfig, run_dir: Path, config: dict[str, Any]) -> Any:
+    run_info = config.get("run", {})
+    sweep_dir = run_info.get("sweep_dir")
+    group = cfg.group or ("/".join(Path(sweep_dir).parts[-2:]) if sweep_dir else None)
+    name = cfg.name or (" ".join(run_info.get("overrides", [])) or run_dir.name)
+    try:
+        import wandb
+
+        return wandb.init(
+            mode=cfg.mode,
+            project=cfg.project,
+            entity=cfg.entity,
+            dir=str(run_dir),
+            config=config,
+            group=group,
+            name=name,
+            tags=list(cfg.tags) + [f"{k}={v}" for k, v in run_info.get("choices", {}).items()],
+            job_type="train",
+            settings=wandb.Settings(silent=True),
+        )
+    except Exception as error:  # noqa: BLE001 - wandb must never stop training
+        logger.warning(f"wandb could not start ({type(error).__name__}: {error}); metrics go to metrics.jsonl only")
+        return None
+
 
 def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+@torch.no_grad()
+def consensus_distance(params: list[Tensor]) -> tuple[float, float]:
+    """How far apart the workers' models are: ``sqrt((1/n) sum_i |x_i - mean|^2)``, and that over ``|mean|``.
+
+    Exact, over the given (trainable) parameters. Costs a copy of the parameters, one all-reduce of it and one of a
+    scalar: measure it every few steps, not every step. Every rank must call it.
+    """
+    dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+    mine = torch.cat([p.detach().reshape(-1).to(dtype) for p in params])
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    mean = mine.clone()
+    if world > 1:
+        dist.all_reduce(mean)
+        mean.div_(world)
+    squared = (mine - mean).double().square().sum().reshape(1)
+    if world > 1:
+        dist.all_reduce(squared)
+    distance = math.sqrt(squared.item() / world)
+    norm = mean.double().norm().item()
+    return distance, distance / norm if norm > 0 else 0.0
+
+
+def gossip_bytes_per_step(topology: Topology, rank: int, bucket_bytes: list[int]) -> float:
+    """Bytes this worker sends per step, averaged over the topology's period.
+
+    A pair sends each bucket once; a group of m >= 3 all-reduces it, counted as a ring all-reduce (2(m-1)/m of the
+    bucket); a worker alone sends nothing.
+    """
+    total = sum(bucket_bytes)
+    sent = [_exchange_bytes(topology.edge(r, rank).size, total) for r in range(topology.period)]
+    return sum(sent) / len(sent)
+
+
+def allreduce_bytes_per_step(world_size: int, model_bytes: int) -> float:
+    """Bytes a worker sends per step in a ring all-reduce of the gradients (what torch DDP does, in estimate)."""
+    return _exchange_bytes(world_size, model_bytes) if world_size > 1 else 0.0
+
+
+def _exchange_bytes(group_size: int, nbytes: int) -> float:
+    if group_size <= 1:
+        return 0.0
+    return float(nbytes) if group_size == 2 else 2.0 * (group_size - 1) / group_size * nbytes
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this worker: CUDA memory allocated on GPU, the process's peak resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

@@ -540,6 +540,11 @@ class DecentralizedDataParallel(nn.Module):
     _lr_schedulers = lr_schedulers
 
     @property
+    def bucket_bytes(self) -> list[int]:
+        """Size of each bucket in bytes, in processing order (what one exchange of that bucket moves)."""
+        return [b.flat.numel() * b.flat.element_size() for b in self._buckets]
+
+    @property
     def bucket_names(self) -> list[list[str]]:
         """Parameter names of each bucket, in processing order."""
         return [list(b.names) for b in self._buckets]
