@@ -79,7 +79,6 @@ class Decentralized:
     def info(self) -> dict[str, Any]:
         topology = self.engine.topology
         return {
-            "topology/name": topology.__class__.__name__,
             "topology/rounds": topology.describe(),
             "topology/period": topology.period,
             "topology/spectral_gap": topology.spectral_gap(),
