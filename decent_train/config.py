@@ -18,10 +18,16 @@ from decent_train.components.data import DatasetConfig
 from decent_train.components.metrics import LoggerConfig
 from decent_train.components.models import ModelConfig
 from decent_train.components.optim import OptimConfig, SchedulerConfig
-from decent_train.engine.topology import build_topology
+from decent_train.engine.topology import Topology, build_topology
 from decent_train.launcher.launch import LaunchConfig
 
 ALGORITHMS = ("decentralized", "allreduce")
+
+# What a run directory holds (the launcher, the worker and the plot command agree on these names).
+RESOLVED_CONFIG = "resolved_config.yaml"
+METRICS_FILE = "metrics.jsonl"
+RESULT_FILE = "result.json"
+MODEL_FILE = "model.pt"
 
 
 @dataclass
@@ -94,11 +100,15 @@ class TrainConfig:
             )
         if self.algorithm == "decentralized" and self.launch.nproc_per_node is not None:
             self.topology.import_module()
-            local = self.topology.local_world_size or self.launch.nproc_per_node
             try:
-                build_topology(self.topology.name, self.launch.world_size, local)
+                self.build_topology()
             except ValueError as error:
                 raise ValueError(f"topology={self.topology.name} with {self.launch.world_size} workers: {error}") from None
+
+    def build_topology(self) -> Topology:
+        """The gossip schedule for the launch's workers (no process group needed)."""
+        local = self.topology.local_world_size or self.launch.nproc_per_node
+        return build_topology(self.topology.name, self.launch.world_size, local)
 
 
 def check_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:

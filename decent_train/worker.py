@@ -37,13 +37,8 @@ from decent_train.components.metrics import (
 )
 from decent_train.components.models import build_model
 from decent_train.components.optim import make_optim_fn, make_scheduler_fn
-from decent_train.config import TrainConfig, load_config
+from decent_train.config import METRICS_FILE, MODEL_FILE, RESULT_FILE, TrainConfig, load_config
 from decent_train.engine.ddp import DecentralizedDataParallel
-
-MODEL_FILE = "model.pt"
-RESULT_FILE = "result.json"
-METRICS_FILE = "metrics.jsonl"
-
 
 class Decentralized:
     """``algorithm=decentralized``: the engine steps inside backward and gossips with the topology's neighbours."""
@@ -191,7 +186,7 @@ def train(cfg: TrainConfig, run_dir: Path, device: torch.device, on_record: OnRe
         **algo.info(),
     }
     logger.info(" | ".join(f"{k} {v}" for k, v in info.items()))
-    metrics = MetricLogger(run_dir if rank == 0 else None, cfg.logger, dataclasses.asdict(cfg))
+    metrics = MetricLogger(run_dir / METRICS_FILE if rank == 0 else None, cfg.logger, dataclasses.asdict(cfg))
     metrics.log_info(info)
     try:
         result = _train_loop(cfg, algo, batches, trainable, data.test, device, total_steps, steps_per_epoch, metrics, on_record)

@@ -20,6 +20,8 @@ from decent_train.components.data import build_datasets
 from decent_train.components.models import build_model
 from decent_train.config import load_config
 
+from .test_worker import records
+
 COMMAND = Path(sys.executable).parent / "decent-train"
 QUIET = ["logger.progress_bar=false"]
 SMALL = ["launch.nproc_per_node=2", "model=mlp", "steps=10", *QUIET]
@@ -35,10 +37,6 @@ def start(*args: str, cwd: Path) -> subprocess.Popen[str]:
 
 def check_succeeded(proc: subprocess.CompletedProcess[str]) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-
-
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_default_job_shortened(tmp_path: Path) -> None:

@@ -3,7 +3,6 @@ communication estimate by hand, wandb's offline files, and training that survive
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -14,10 +13,10 @@ from torch import nn
 
 from decent_train import build_topology
 from decent_train.components.metrics import allreduce_bytes_per_step, gossip_bytes_per_step
-from decent_train.worker import METRICS_FILE, train
+from decent_train.worker import train
 
 from .distributed import run_workers
-from .test_worker import make_cfg
+from .test_worker import make_cfg, records
 
 
 def _train_and_dump(rank: int, world: int, cfg: Any, dump_dir: Path) -> None:
@@ -29,10 +28,6 @@ def _train_and_dump(rank: int, world: int, cfg: Any, dump_dir: Path) -> None:
             torch.save(params, dump_dir / f"step{record['step']}_rank{rank}.pt")
 
     train(cfg, Path(cfg.run.output_dir), torch.device("cpu"), on_record=dump)
-
-
-def records(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
 
 
 def run(tmp_path: Path, world: int, dump: bool = False, **overrides: Any) -> list[dict[str, Any]]:

@@ -20,8 +20,8 @@ from torch import Tensor, nn
 from decent_train.components.data import Datasets, build_datasets, train_batches
 from decent_train.components.models import build_model
 from decent_train.components.optim import make_optim_fn, make_scheduler_fn
-from decent_train.config import TrainConfig, check_config
-from decent_train.worker import METRICS_FILE, MODEL_FILE, RESULT_FILE, train
+from decent_train.config import METRICS_FILE, MODEL_FILE, RESULT_FILE, TrainConfig, check_config
+from decent_train.worker import train
 
 from .distributed import run_workers
 from .replay import replay
@@ -70,9 +70,13 @@ def accuracy(model: nn.Module, data: Datasets) -> float:
         return (model(x).argmax(1) == y).double().mean().item()
 
 
+def records(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's metrics.jsonl, one dict per record."""
+    return [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
+
+
 def logged_losses(run_dir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
-    return {r["step"]: r["train/loss"] for r in records}
+    return {r["step"]: r["train/loss"] for r in records(run_dir)}
 
 
 def expected_window_losses(losses: dict[tuple[int, int, int], float], cfg: TrainConfig) -> dict[int, float]:

@@ -81,11 +81,12 @@ class MetricLogger:
     """Rank 0's sinks: one JSON object per record in ``metrics.jsonl`` (namespaced keys such as ``train/loss``), and
     the same record to wandb. Other ranks get a logger that does nothing."""
 
-    def __init__(self, run_dir: Path | None, cfg: LoggerConfig, config: dict[str, Any]):
-        self._file: TextIO | None = (run_dir / "metrics.jsonl").open("a") if run_dir is not None else None
+    def __init__(self, path: Path | None, cfg: LoggerConfig, config: dict[str, Any]):
+        """``path``: the JSONL file (wandb writes beside it); None on the ranks that do not log."""
+        self._file: TextIO | None = path.open("a") if path is not None else None
         self._wandb: Any = None
-        if run_dir is not None and cfg.wandb.mode != "disabled":
-            self._wandb = _start_wandb(cfg.wandb, run_dir, config)
+        if path is not None and cfg.wandb.mode != "disabled":
+            self._wandb = _start_wandb(cfg.wandb, path.parent, config)
 
     def log_info(self, info: dict[str, Any]) -> None:
         """Facts about the run known at its start (topology, model and bucket sizes): wandb's config."""

@@ -192,7 +192,7 @@ class DecentralizedDataParallel(nn.Module):
         if self._world_size > 1:
             self._topo.create_groups()
         if self._rank == 0:
-            sizes = ", ".join(f"{b.flat.numel() * b.flat.element_size() / 2**20:.2f}" for b in self._buckets)
+            sizes = ", ".join(f"{nbytes / 2**20:.2f}" for nbytes in self.bucket_bytes)
             logger.debug(f"DecentralizedDataParallel: {self._topo.describe()}; {len(self._buckets)} buckets, MB: {sizes}")
 
     # -- construction -------------------------------------------------------------------------------------------

@@ -24,12 +24,8 @@ from loguru import logger
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from decent_train.config import TrainConfig, check_config
-from decent_train.engine.topology import build_topology
+from decent_train.config import METRICS_FILE, MODEL_FILE, RESOLVED_CONFIG, RESULT_FILE, TrainConfig, check_config
 from decent_train.launcher.launch import WorkerFailure, format_command, launch_workers, torchrun_command
-from decent_train.worker import MODEL_FILE, RESULT_FILE
-
-RESOLVED_CONFIG = "resolved_config.yaml"
 
 
 def _conf_dir() -> str:
@@ -101,7 +97,7 @@ def _train(cfg: TrainConfig, run_dir: Path, config_path: Path) -> float:
         f"decent-train: eval/accuracy {result['eval/accuracy']:.4f}, eval/loss {result['eval/loss']:.4f} after "
         f"{result['steps']} steps; {result['throughput/samples_per_s']:.0f} samples/s over {result['world_size']} "
         f"workers ({what}); {wall:.1f} s in all\n"
-        f"  outputs: {run_dir}  ({MODEL_FILE}: the averaged model's state_dict; metrics.jsonl, {RESULT_FILE}, logs/)",
+        f"  outputs: {run_dir}  ({MODEL_FILE}: the averaged model's state_dict; {METRICS_FILE}, {RESULT_FILE}, logs/)",
         flush=True,
     )
     return float(result["eval/accuracy"])
@@ -109,8 +105,7 @@ def _train(cfg: TrainConfig, run_dir: Path, config_path: Path) -> float:
 
 def _print_dry_run(cfg: TrainConfig, config_path: Path) -> None:
     if cfg.algorithm == "decentralized":
-        local = cfg.topology.local_world_size or cfg.launch.nproc_per_node
-        summary = build_topology(cfg.topology.name, cfg.launch.world_size, local).describe()
+        summary = cfg.build_topology().describe()
     else:
         summary = f"all-reduce (torch DDP) over {cfg.launch.world_size} workers"
     print(f"dry run: nothing trained\n  topology: {summary}\n  config:   {config_path}")

@@ -19,9 +19,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from omegaconf import OmegaConf
 
-METRICS_FILE = "metrics.jsonl"
-RESULT_FILE = "result.json"
-CONFIG_FILE = "resolved_config.yaml"
+from decent_train.config import METRICS_FILE, RESOLVED_CONFIG, RESULT_FILE
+
 THROUGHPUT = "throughput/samples_per_s"
 THROUGHPUT_MIN = "throughput/samples_per_s_min_worker"
 LINE_CHARTS = [("loss", "train/loss"), ("accuracy", "eval/accuracy"), ("consensus", "consensus/distance")]
@@ -72,8 +71,8 @@ def load_run(path: Path) -> Run:
     except (OSError, json.JSONDecodeError):
         result = {}
     overrides: list[str] = []
-    if (path / CONFIG_FILE).is_file():
-        overrides = [str(o) for o in OmegaConf.select(OmegaConf.load(path / CONFIG_FILE), "run.overrides") or []]
+    if (path / RESOLVED_CONFIG).is_file():
+        overrides = [str(o) for o in OmegaConf.select(OmegaConf.load(path / RESOLVED_CONFIG), "run.overrides") or []]
     return Run(path, records, result if isinstance(result, dict) else {}, overrides)
 
 
