@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -333,6 +334,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_worker_logging(run_dir, dist.get_rank(), cfg.logger)
     try:
         train(cfg, run_dir, device)
+        gc.collect()  # free the engine (its hooks make reference cycles) while its process groups are alive
         dist.barrier()  # leave together: a peer tearing down gloo while others still talk to it aborts them
     except Exception as error:
         # The traceback goes to this rank's log and to the error file the launcher reports from; not to the console
@@ -342,6 +344,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     finally:
         dist.destroy_process_group()
+    # Everything is written and the process group is gone. Skip the interpreter's teardown: destroying gloo's
+    # threads there rarely aborts the process with SIGABRT after a successful run (seen in CI; pytorch PR #179291).
+    logger.complete()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
