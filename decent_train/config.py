@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
-from decent_train.components.data import DatasetConfig
+from decent_train.components.data import IMAGE_DATASETS, DatasetConfig
 from decent_train.components.metrics import LoggerConfig
 from decent_train.components.models import ModelConfig
 from decent_train.components.optim import OptimConfig, SchedulerConfig
@@ -22,6 +23,8 @@ from decent_train.engine.topology import Topology, build_topology
 from decent_train.launcher.launch import LaunchConfig
 
 ALGORITHMS = ("decentralized", "allreduce")
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # autocast dtypes
+IMAGE_MODELS = ("cnn", "resnet18", "resnet50")
 
 # What a run directory holds (the launcher, the worker and the plot command agree on these names).
 RESOLVED_CONFIG = "resolved_config.yaml"
@@ -66,8 +69,14 @@ class TrainConfig:
     steps: int = 0  # optimizer steps; 0: run `epochs` epochs
     epochs: float = 1.0
     batch_size: int = 32  # per worker and micro-batch
+    global_batch_size: Optional[int] = None  # samples per optimizer step over all workers; sets batch_size to it
+    # divided by (workers x accum_steps), so a recipe keeps its batch on any number of workers
     accum_steps: int = 1  # micro-batches per optimizer step
     grad_clip_norm: float = 0.0  # 0: no clipping
+    label_smoothing: float = 0.0
+    precision: str = "fp32"  # fp32 | bf16 | fp16: autocast; fp16 also scales the loss (a GradScaler)
+    channels_last: bool = False  # CNNs: NHWC parameters and inputs (faster convolutions on tensor cores)
+    compile: bool = False  # torch.compile the model (in place)
     eval_every: int = 0  # optimizer steps between evaluations of the averaged model; 0: only at the end
     eval_batch_size: int = 512
     bucket_size_mb: float = 25.0  # the engine's (and DDP's) bucket size
@@ -87,6 +96,12 @@ class TrainConfig:
         for key in ("batch_size", "accum_steps", "eval_batch_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r} is not a precision; valid: {', '.join(PRECISIONS)}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing={self.label_smoothing} must be in [0, 1)")
+        if self.global_batch_size is not None and self.launch.nproc_per_node is not None:
+            self.batch_size_per_worker(self.launch.world_size)
         if self.steps < 0 or (self.steps == 0 and self.epochs <= 0):
             raise ValueError(f"steps={self.steps}, epochs={self.epochs}: set steps >= 1, or steps=0 and epochs > 0")
         if self.eval_every < 0 or self.grad_clip_norm < 0 or self.bucket_size_mb <= 0:
@@ -94,16 +109,37 @@ class TrainConfig:
                 f"eval_every={self.eval_every} and grad_clip_norm={self.grad_clip_norm} must be >= 0, "
                 f"bucket_size_mb={self.bucket_size_mb} > 0"
             )
-        if self.model.name == "cnn" and self.dataset.name == "synthetic" and len(self.dataset.input_shape) != 3:
-            raise ValueError(
-                f"model=cnn needs images (channels, height, width), but dataset.input_shape={list(self.dataset.input_shape)}"
-            )
+        self._check_model_fits_data()
         if self.algorithm == "decentralized" and self.launch.nproc_per_node is not None:
             self.topology.import_module()
             try:
                 self.build_topology()
             except ValueError as error:
                 raise ValueError(f"topology={self.topology.name} with {self.launch.world_size} workers: {error}") from None
+
+    def _check_model_fits_data(self) -> None:
+        model, dataset = self.model.name, self.dataset.name
+        if (model == "gpt2") != self.dataset.is_tokens:
+            wanted = "dataset=tokens" if model == "gpt2" else "a non-token dataset; a language model: model=gpt2"
+            raise ValueError(f"model={model} cannot train on dataset={dataset}: it needs {wanted}")
+        images = dataset in IMAGE_DATASETS or (dataset == "synthetic" and len(self.dataset.input_shape) == 3)
+        if model in IMAGE_MODELS and not images:
+            raise ValueError(
+                f"model={model} needs images (channels, height, width), but dataset={dataset} has "
+                f"dataset.input_shape={list(self.dataset.input_shape)}"
+            )
+
+    def batch_size_per_worker(self, world_size: int) -> int:
+        """``batch_size``, or the share of ``global_batch_size`` of each of ``world_size`` workers' micro-batches."""
+        if self.global_batch_size is None:
+            return self.batch_size
+        per_step = world_size * self.accum_steps
+        if self.global_batch_size < per_step or self.global_batch_size % per_step:
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} is not a multiple of workers x accum_steps = "
+                f"{world_size} x {self.accum_steps}"
+            )
+        return self.global_batch_size // per_step
 
     def build_topology(self) -> Topology:
         """The gossip schedule for the launch's workers (no process group needed)."""

@@ -27,7 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from decent_train.components.data import build_datasets, eval_batches, micro_batches_per_epoch, train_batches
+from decent_train.components.data import Datasets, build_datasets
 from decent_train.components.metrics import (
     MetricLogger,
     allreduce_bytes_per_step,
@@ -38,18 +38,32 @@ from decent_train.components.metrics import (
 )
 from decent_train.components.models import build_model
 from decent_train.components.optim import make_optim_fn, make_scheduler_fn
-from decent_train.config import METRICS_FILE, MODEL_FILE, RESULT_FILE, TrainConfig, load_config
+from decent_train.config import METRICS_FILE, MODEL_FILE, PRECISIONS, RESULT_FILE, TrainConfig, load_config
 from decent_train.engine.ddp import DecentralizedDataParallel
+
+class Precision:
+    """``precision=fp32|bf16|fp16``: forward and loss under autocast; fp16 also scales the loss (a GradScaler, kept
+    equal on all workers by the engine)."""
+
+    def __init__(self, name: str, device: torch.device):
+        self.dtype, self.device_type = PRECISIONS[name], device.type
+        self.scaler = torch.amp.GradScaler(device.type, enabled=name == "fp16")
+
+    def autocast(self) -> torch.autocast:
+        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+
 
 class Decentralized:
     """``algorithm=decentralized``: the engine steps inside backward and gossips with the topology's neighbours."""
 
-    def __init__(self, net: nn.Module, cfg: TrainConfig, total_steps: int):
+    def __init__(self, net: nn.Module, cfg: TrainConfig, total_steps: int, scaler: torch.amp.GradScaler):
+        self.scaler = scaler
         self.engine = DecentralizedDataParallel(
             net,
             optim_fn=make_optim_fn(cfg.optim),
             lr_scheduler_fn=make_scheduler_fn(cfg.scheduler, total_steps),
             topology=cfg.topology.name,
+            scaler=scaler if scaler.is_enabled() else None,
             grad_clip_norm=cfg.grad_clip_norm,
             bucket_size_in_mb=cfg.bucket_size_mb,
             local_world_size=cfg.topology.local_world_size,  # None: torchrun's LOCAL_WORLD_SIZE
@@ -99,7 +113,8 @@ class Decentralized:
 class AllReduce:
     """``algorithm=allreduce``: torch DistributedDataParallel with the same model, data, optimizer and schedule."""
 
-    def __init__(self, net: nn.Module, cfg: TrainConfig, total_steps: int):
+    def __init__(self, net: nn.Module, cfg: TrainConfig, total_steps: int, scaler: torch.amp.GradScaler):
+        self.scaler = scaler
         device_ids = [net_device(net)] if net_device(net).type == "cuda" else None
         self.model = DistributedDataParallel(net, device_ids=device_ids, bucket_cap_mb=cfg.bucket_size_mb)
         self.net = net
@@ -112,8 +127,10 @@ class AllReduce:
 
     def step(self) -> None:
         if self.grad_clip_norm > 0:
+            self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.net.parameters(), self.grad_clip_norm)
-        self.optimizer.step()
+        self.scaler.step(self.optimizer)  # skipped on inf/nan gradients (fp16); a plain step otherwise
+        self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
 
@@ -141,19 +158,33 @@ def net_device(net: nn.Module) -> torch.device:
     return next(net.parameters()).device
 
 
+def cross_entropy(logits: torch.Tensor, y: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """Over the last dimension: (N, classes) scores against (N,) labels, or (B, T, vocab) against (B, T) tokens."""
+    return F.cross_entropy(logits.flatten(0, -2), y.flatten(), **kwargs)
+
+
+def to_device(batch: tuple[torch.Tensor, torch.Tensor], device: torch.device, channels_last: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = (t.to(device, non_blocking=True) for t in batch)
+    if channels_last and x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x, y
+
+
 @torch.no_grad()
-def evaluate(net: nn.Module, cfg: TrainConfig, test: Any, device: torch.device) -> dict[str, float]:
-    """Loss and accuracy on the whole test set; each worker evaluates a disjoint slice and the sums are reduced."""
+def evaluate(net: nn.Module, cfg: TrainConfig, data: Datasets, device: torch.device, precision: Precision) -> dict[str, float]:
+    """Loss and accuracy (next-token accuracy for tokens) on the whole evaluation set; each worker evaluates a
+    disjoint slice and the sums are reduced."""
     rank, world = dist.get_rank(), dist.get_world_size()
     was_training = net.training
     net.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
-    for x, y in eval_batches(test, rank, world, cfg.eval_batch_size):
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        logits = net(x)
-        sums[0] += F.cross_entropy(logits, y, reduction="sum").double()
-        sums[1] += (logits.argmax(dim=1) == y).sum()
-        sums[2] += len(y)
+    for batch in data.eval_batches(cfg.eval_batch_size, rank, world):
+        x, y = to_device(batch, device, cfg.channels_last)
+        with precision.autocast():
+            logits = net(x)
+        sums[0] += cross_entropy(logits.float(), y, reduction="sum").double()
+        sums[1] += (logits.argmax(dim=-1) == y).sum()
+        sums[2] += y.numel()
     dist.all_reduce(sums)
     net.train(was_training)
     loss, correct, count = sums.tolist()
@@ -169,20 +200,28 @@ def train(cfg: TrainConfig, run_dir: Path, device: torch.device, on_record: OnRe
     ``on_record(record, model)`` runs on every rank after each record is measured (before any evaluation).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
+    batch_size = cfg.batch_size_per_worker(world)
     data = build_datasets(cfg.dataset)
     torch.manual_seed(cfg.seed)  # the same initial model on every worker
     net = build_model(cfg.model, data.input_shape, data.num_classes).to(device)
+    if cfg.channels_last:
+        net = net.to(memory_format=torch.channels_last)
+    if cfg.compile:
+        net.compile()  # in place: parameter names and the saved state_dict stay those of the plain model
     torch.manual_seed(cfg.seed + rank)  # dropout and any other randomness differ per worker
 
-    steps_per_epoch = max(1, micro_batches_per_epoch(data.train, cfg.batch_size, world) // cfg.accum_steps)
+    steps_per_epoch = max(1, data.micro_batches_per_epoch(batch_size, world) // cfg.accum_steps)
     total_steps = cfg.steps or math.ceil(cfg.epochs * steps_per_epoch)
-    algo = Decentralized(net, cfg, total_steps) if cfg.algorithm == "decentralized" else AllReduce(net, cfg, total_steps)
-    batches = train_batches(data.train, cfg.batch_size, rank, world, cfg.seed)
+    precision = Precision(cfg.precision, device)
+    algorithm = Decentralized if cfg.algorithm == "decentralized" else AllReduce
+    algo = algorithm(net, cfg, total_steps, precision.scaler)
     trainable = [p for p in net.parameters() if p.requires_grad]
     info = {
         "world_size": world,
         "model/parameters": sum(p.numel() for p in trainable),
-        "data/train_samples": len(data.train),
+        "data/train_samples": data.train_size,
+        "batch_size": batch_size,
+        "precision": cfg.precision,
         "steps": total_steps,
         **algo.info(),
     }
@@ -190,7 +229,8 @@ def train(cfg: TrainConfig, run_dir: Path, device: torch.device, on_record: OnRe
     metrics = MetricLogger(run_dir / METRICS_FILE if rank == 0 else None, cfg.logger, dataclasses.asdict(cfg))
     metrics.log_info(info)
     try:
-        result = _train_loop(cfg, algo, batches, trainable, data.test, device, total_steps, steps_per_epoch, metrics, on_record)
+        job = Job(cfg, algo, data, batch_size, precision, device, total_steps, steps_per_epoch)
+        result = _train_loop(job, metrics, on_record)
     except BaseException:
         metrics.close(failed=True)
         raise
@@ -205,22 +245,28 @@ def train(cfg: TrainConfig, run_dir: Path, device: torch.device, on_record: OnRe
     return result
 
 
-def _train_loop(
-    cfg: TrainConfig,
-    algo: Decentralized | AllReduce,
-    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
-    trainable: list[nn.Parameter],
-    test: Any,
-    device: torch.device,
-    total_steps: int,
-    steps_per_epoch: int,
-    metrics: MetricLogger,
-    on_record: OnRecord | None,
-) -> dict[str, Any]:
-    world = dist.get_world_size()
-    samples_per_step = cfg.batch_size * cfg.accum_steps  # per worker
+@dataclasses.dataclass
+class Job:
+    """What the training loop works with, built once by ``train``."""
+
+    cfg: TrainConfig
+    algo: Decentralized | AllReduce
+    data: Datasets
+    batch_size: int  # per worker and micro-batch
+    precision: Precision
+    device: torch.device
+    total_steps: int
+    steps_per_epoch: int
+
+
+def _train_loop(job: Job, metrics: MetricLogger, on_record: OnRecord | None) -> dict[str, Any]:
+    cfg, algo, device, precision, total_steps = job.cfg, job.algo, job.device, job.precision, job.total_steps
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = job.data.train_batches(job.batch_size, rank, world, cfg.seed)
+    trainable = [p for p in algo.net.parameters() if p.requires_grad]
+    samples_per_step = job.batch_size * cfg.accum_steps  # per worker
     bytes_per_step = algo.bytes_per_step()
-    bar = tqdm(total=total_steps, unit="step", disable=dist.get_rank() != 0 or not cfg.logger.progress_bar, dynamic_ncols=True)
+    bar = tqdm(total=total_steps, unit="step", disable=rank != 0 or not cfg.logger.progress_bar, dynamic_ncols=True)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # summed on the device: no host sync per step
     micro_batches, data_seconds, comm_start = 0, 0.0, algo.comm_wait_seconds() or 0.0
     window_start = train_start = time.perf_counter()
@@ -229,11 +275,12 @@ def _train_loop(
     for step in range(1, total_steps + 1):
         for micro in range(cfg.accum_steps):
             data_start = time.perf_counter()
-            x, y = (t.to(device, non_blocking=True) for t in next(batches))
+            x, y = to_device(next(batches), device, cfg.channels_last)
             data_seconds += time.perf_counter() - data_start
             with contextlib.nullcontext() if micro == cfg.accum_steps - 1 else algo.no_sync():
-                loss = F.cross_entropy(algo.model(x), y)
-                (loss / cfg.accum_steps).backward()
+                with precision.autocast():
+                    loss = cross_entropy(algo.model(x), y, label_smoothing=cfg.label_smoothing)
+                precision.scaler.scale(loss / cfg.accum_steps).backward()
             loss_sum += loss.detach()
             micro_batches += 1
         algo.step()
@@ -255,7 +302,7 @@ def _train_loop(
         loss_total, micro_total, elapsed_w, data_w, comm_w, memory_w, bytes_w = stats.T
         record = {
             "step": step,
-            "epoch": step / steps_per_epoch,
+            "epoch": step / job.steps_per_epoch,
             "train/loss": (loss_total.sum() / micro_total.sum()).item(),
             "train/lr": algo.lr(),
             "throughput/samples_per_s": world * steps_in_window * samples_per_step / elapsed_w.max().item(),
@@ -268,6 +315,8 @@ def _train_loop(
             "memory/peak_gib": memory_w.max().item() / 2**30,
             "time/elapsed_s": time.perf_counter() - train_start,
         }
+        if cfg.dataset.is_tokens:
+            record["throughput/tokens_per_s"] = record["throughput/samples_per_s"] * cfg.dataset.context_length
         if algo.comm_wait_seconds() is not None:
             record["time/comm_wait_ms"] = 1000 * comm_w.mean().item() / steps_in_window
         if consensus_now:
@@ -278,7 +327,7 @@ def _train_loop(
             if step == total_steps:
                 algo.average()  # the final model is the average of the workers' models
             with algo.averaged():
-                record.update(evaluate(algo.net, cfg, test, device))
+                record.update(evaluate(algo.net, cfg, job.data, device, precision))
         metrics.log(record)
         bar.set_postfix(
             {"loss": f"{record['train/loss']:.4f}", "samples/s": f"{record['throughput/samples_per_s']:.0f}"}

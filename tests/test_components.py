@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from decent_train.components.data import DatasetConfig, build_datasets, eval_batches, train_batches
+from decent_train.components.data import DatasetConfig, build_datasets
 from decent_train.components.models import ModelConfig, build_model
 
 
@@ -33,7 +33,7 @@ def test_train_shards_are_disjoint_and_reshuffle_each_epoch(world: int) -> None:
     per_epoch = (120 // world) // batch
     seen = []
     for rank in range(world):
-        stream = train_batches(data.train, batch, rank, world, seed=1)
+        stream = data.train_batches(batch, rank, world, seed=1)
         epochs = [[next(stream)[0] for _ in range(per_epoch)] for _ in range(2)]
         seen.append([torch.cat(e) for e in epochs])
     index = {tuple(row.tolist()): i for i, row in enumerate(x_all)}
@@ -44,7 +44,7 @@ def test_train_shards_are_disjoint_and_reshuffle_each_epoch(world: int) -> None:
 
 def test_eval_batches_cover_the_test_set_once() -> None:
     data = build_datasets(DatasetConfig(name="synthetic", num_samples=100, input_shape=[2]))
-    got = torch.cat([x for r in range(3) for x, _ in eval_batches(data.test, r, 3, batch_size=4)])
+    got = torch.cat([x for r in range(3) for x, _ in data.eval_batches(4, r, 3)])
     assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, data.test.tensors[0].tolist()))
 
 

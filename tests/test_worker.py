@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from decent_train.components.data import Datasets, build_datasets, train_batches
+from decent_train.components.data import Datasets, build_datasets
 from decent_train.components.models import build_model
 from decent_train.components.optim import make_optim_fn, make_scheduler_fn
 from decent_train.config import METRICS_FILE, MODEL_FILE, RESULT_FILE, TrainConfig, check_config
@@ -55,7 +55,7 @@ def _train(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
 def worker_batches(cfg: TrainConfig, data: Datasets) -> list[list[tuple[Tensor, Tensor]]]:
     """The micro-batches each rank draws, in order (the worker's own sharding, called here as the data source)."""
     count = cfg.steps * cfg.accum_steps
-    streams = [train_batches(data.train, cfg.batch_size, r, WORLD, cfg.seed) for r in range(WORLD)]
+    streams = [data.train_batches(cfg.batch_size, r, WORLD, cfg.seed) for r in range(WORLD)]
     return [[next(stream) for _ in range(count)] for stream in streams]
 
 

@@ -1,13 +1,19 @@
-"""Datasets the launcher can build by name, and their per-worker sharding.
+"""Datasets the launcher can build by name, each sharded over the workers.
 
-``digits`` (the 8x8 handwritten digits scikit-learn ships: real data, no download), ``synthetic`` (Gaussian class
-clusters of any size and shape, for throughput) and ``npz`` (your own arrays: a directory with ``train.npz`` and ``test.npz``,
-each holding ``x`` and ``y``).
+In memory (``TensorData``): ``digits`` (the 8x8 handwritten digits scikit-learn ships: real data, no download),
+``synthetic`` (Gaussian class clusters of any size and shape, for throughput), ``npz`` (your arrays),
+``cifar10``/``cifar100`` (torchvision's python format, ``images.py``). Streamed: ``imagefolder`` (ImageNet-style
+``train/`` and ``val/`` class folders, ``images.py``) and ``tokens`` (flat uint16 token files, ``tokens.py``).
+
+Every kind gives the worker the same three things: endless shuffled training micro-batches of this worker's shard
+(deterministic by seed, disjoint across workers), evaluation batches that cover the whole evaluation set exactly once
+over all workers, and the input shape and number of classes (the vocabulary size for tokens) that size the model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -17,8 +23,11 @@ import torch
 from torch import Tensor
 from torch.utils.data import BatchSampler, DistributedSampler, TensorDataset
 
-DATASET_NAMES = ("digits", "synthetic", "npz")
+DATASET_NAMES = ("digits", "synthetic", "npz", "cifar10", "cifar100", "imagefolder", "tokens")
+IMAGE_DATASETS = ("digits", "npz", "cifar10", "cifar100", "imagefolder")  # npz: usually; checked when loaded
 _NPZ_LAYOUT = "a directory with train.npz and test.npz, each holding arrays x (samples first) and y (integer labels)"
+
+Batch = tuple[Tensor, Tensor]
 
 
 @dataclass
@@ -26,26 +35,23 @@ class DatasetConfig:
     """``conf/dataset/*.yaml``."""
 
     name: str = "digits"
-    root: Optional[str] = None  # npz: the data directory
+    root: Optional[str] = None  # npz, cifar10, cifar100, imagefolder, tokens: the data directory
+    download: bool = False  # cifar10, cifar100: fetch into root (once, in the launcher) when it is missing
     test_fraction: float = 0.2  # digits: share held out for evaluation
     split_seed: int = 0  # digits, synthetic: the train/test split and the synthetic data do not depend on the run seed
     num_samples: int = 8192  # synthetic: training samples (plus a quarter as many test samples)
     input_shape: list[int] = field(default_factory=lambda: [1, 16, 16])  # synthetic: one sample's shape
     num_classes: int = 10  # synthetic
     noise: float = 2.0  # synthetic: standard deviation around the class centres
+    augment: bool = True  # cifar: random crop (padding 4) and flip; imagefolder: random resized crop and flip
+    image_size: int = 224  # imagefolder: training crop; evaluation resizes to image_size / 0.875 and centre-crops
+    loader_workers: int = 4  # imagefolder: decoding processes per worker
+    context_length: int = 1024  # tokens: tokens per sample (the model's context)
+    vocab_size: int = 50304  # tokens: every token id must be below it
 
     def __post_init__(self) -> None:
         if self.name not in DATASET_NAMES:
             raise ValueError(f"dataset.name={self.name!r} is not a dataset; valid: {', '.join(DATASET_NAMES)}")
-        if self.name == "npz":
-            if not self.root:
-                raise ValueError(f"dataset=npz needs dataset.root: {_NPZ_LAYOUT}")
-            root = Path(self.root).expanduser()
-            if not root.is_dir():
-                raise ValueError(f"dataset.root={self.root} does not exist; expected {_NPZ_LAYOUT}")
-            missing = [f for f in ("train.npz", "test.npz") if not (root / f).is_file()]
-            if missing:
-                raise ValueError(f"dataset.root={self.root} has no {' or '.join(missing)}; expected {_NPZ_LAYOUT}")
         if not 0.0 < self.test_fraction < 1.0:
             raise ValueError(f"dataset.test_fraction={self.test_fraction} must be in (0, 1)")
         if self.num_samples < 1 or self.num_classes < 2 or not self.input_shape or min(self.input_shape) < 1:
@@ -53,27 +59,140 @@ class DatasetConfig:
                 f"dataset.num_samples={self.num_samples} must be >= 1, dataset.num_classes={self.num_classes} >= 2, "
                 f"dataset.input_shape={list(self.input_shape)} positive sizes"
             )
+        for key in ("image_size", "context_length", "vocab_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"dataset.{key}={getattr(self, key)} must be >= 1")
+        if self.loader_workers < 0:
+            raise ValueError(f"dataset.loader_workers={self.loader_workers} must be >= 0")
+        if self.download and self.name not in ("cifar10", "cifar100"):
+            raise ValueError(f"dataset.download=true works for cifar10 and cifar100, not dataset={self.name}")
+        self.check_files()
+
+    def check_files(self) -> None:
+        """The data directory exists and has the expected layout (cheap: names and headers, not contents)."""
+        if self.name in ("digits", "synthetic"):
+            return
+        from decent_train.components import images, tokens  # here: they import torchvision lazily themselves
+
+        if not self.root:
+            raise ValueError(f"dataset={self.name} needs dataset.root: {layout(self.name)}")
+        root = Path(self.root).expanduser()
+        if self.name in ("cifar10", "cifar100"):
+            if not (self.download and not images.cifar_present(root, self.name)):
+                images.check_cifar(root, self.name)
+            return
+        if not root.is_dir():
+            raise ValueError(f"dataset.root={self.root} is not a directory; expected {layout(self.name)}")
+        if self.name == "npz":
+            missing = [f for f in ("train.npz", "test.npz") if not (root / f).is_file()]
+            if missing:
+                raise ValueError(f"dataset.root={self.root} has no {' or '.join(missing)}; expected {_NPZ_LAYOUT}")
+        elif self.name == "imagefolder":
+            images.check_image_folder(root)
+        else:
+            tokens.check_token_files(root, self.context_length)
+
+    @property
+    def is_tokens(self) -> bool:
+        return self.name == "tokens"
 
 
-@dataclass
-class Datasets:
-    """A train and a test split of a classification dataset."""
+def layout(name: str) -> str:
+    """What the directory of dataset ``name`` must hold (for error messages)."""
+    from decent_train.components import images, tokens
 
-    train: TensorDataset
-    test: TensorDataset
-    input_shape: tuple[int, ...]
-    num_classes: int
+    return {
+        "npz": _NPZ_LAYOUT,
+        "cifar10": images.CIFAR_LAYOUT["cifar10"],
+        "cifar100": images.CIFAR_LAYOUT["cifar100"],
+        "imagefolder": images.IMAGE_FOLDER_LAYOUT,
+        "tokens": tokens.TOKENS_LAYOUT,
+    }.get(name, "")
+
+
+class Datasets(ABC):
+    """A training and an evaluation split, sharded over ``world`` workers."""
+
+    input_shape: tuple[int, ...]  # one sample, without the batch dimension
+    num_classes: int  # classes; the vocabulary size for tokens
+    train_size: int  # training samples (context windows for tokens) in one epoch
+
+    @abstractmethod
+    def train_batches(self, batch_size: int, rank: int, world: int, seed: int) -> Iterator[Batch]:
+        """Endless micro-batches of this worker's shard, reshuffled each epoch; disjoint from other workers'."""
+
+    @abstractmethod
+    def eval_batches(self, batch_size: int, rank: int, world: int) -> Iterator[Batch]:
+        """This worker's slice of the evaluation set; over all workers, every sample exactly once."""
+
+    def micro_batches_per_epoch(self, batch_size: int, world: int) -> int:
+        return (self.train_size // world) // batch_size
+
+
+BatchTransform = Callable[[Tensor, Optional[torch.Generator]], Tensor]  # (x, generator or None at evaluation) -> x
+
+
+class TensorData(Datasets):
+    """Both splits in memory; batches are one tensor index each, not one ``__getitem__`` per sample.
+
+    ``transform(x, generator)`` turns stored samples into model inputs per batch (uint8 to normalized float, and
+    random augmentation when a generator is given: training only).
+    """
+
+    def __init__(self, train: TensorDataset, test: TensorDataset, num_classes: int, transform: BatchTransform | None = None):
+        self.train, self.test, self.num_classes, self.transform = train, test, num_classes, transform
+        self.input_shape = tuple(train.tensors[0].shape[1:])
+        self.train_size = len(train)
+
+    def train_batches(self, batch_size: int, rank: int, world: int, seed: int) -> Iterator[Batch]:
+        sampler = DistributedSampler(self.train, world, rank, shuffle=True, seed=seed, drop_last=True)
+        batches = BatchSampler(sampler, batch_size, drop_last=True)
+        if len(batches) == 0:
+            raise ValueError(
+                f"batch_size={batch_size} is larger than a worker's shard ({len(sampler)} samples of "
+                f"{len(self.train)} over {world} workers)"
+            )
+        generator = torch.Generator().manual_seed(seed * 100_003 + rank)  # augmentation: per worker, by seed
+        epoch = 0
+        while True:
+            sampler.set_epoch(epoch)
+            for indices in batches:
+                x, y = self.train[indices]
+                yield (x if self.transform is None else self.transform(x, generator)), y
+            epoch += 1
+
+    def eval_batches(self, batch_size: int, rank: int, world: int) -> Iterator[Batch]:
+        x, y = (t[rank::world] for t in self.test.tensors)
+        for start in range(0, len(y), batch_size):
+            xb = x[start : start + batch_size]
+            yield (xb if self.transform is None else self.transform(xb, None)), y[start : start + batch_size]
 
 
 def build_datasets(cfg: DatasetConfig) -> Datasets:
+    from decent_train.components import images, tokens
+
     if cfg.name == "digits":
         x, y = _digits()
         train_idx, test_idx = _split(len(y), cfg.test_fraction, cfg.split_seed)
-        return _datasets(x[train_idx], y[train_idx], x[test_idx], y[test_idx])
+        return _tensor_data(x[train_idx], y[train_idx], x[test_idx], y[test_idx])
     if cfg.name == "synthetic":
         return _synthetic(cfg)
     root = Path(cfg.root).expanduser()  # type: ignore[arg-type]
-    return _datasets(*_load_npz(root / "train.npz"), *_load_npz(root / "test.npz"))
+    if cfg.name == "npz":
+        return _tensor_data(*_load_npz(root / "train.npz"), *_load_npz(root / "test.npz"))
+    if cfg.name in ("cifar10", "cifar100"):
+        return images.cifar(root, cfg.name, cfg.augment)
+    if cfg.name == "imagefolder":
+        return images.ImageFolderData(root, cfg.image_size, cfg.augment, cfg.loader_workers)
+    return tokens.TokenData(root, cfg.context_length, cfg.vocab_size)
+
+
+def prepare(cfg: DatasetConfig) -> None:
+    """Once, in the launcher before any worker starts: download what ``dataset.download=true`` asks for."""
+    if cfg.download:
+        from decent_train.components import images
+
+        images.download_cifar(Path(cfg.root).expanduser(), cfg.name)  # type: ignore[arg-type]
 
 
 def _digits() -> tuple[Tensor, Tensor]:
@@ -90,7 +209,7 @@ def _split(n: int, test_fraction: float, seed: int) -> tuple[Tensor, Tensor]:
     return perm[n_test:], perm[:n_test]
 
 
-def _synthetic(cfg: DatasetConfig) -> Datasets:
+def _synthetic(cfg: DatasetConfig) -> TensorData:
     gen = torch.Generator().manual_seed(cfg.split_seed)
     shape = tuple(cfg.input_shape)
     centres = torch.randn(cfg.num_classes, *shape, generator=gen) * 2.0
@@ -99,7 +218,7 @@ def _synthetic(cfg: DatasetConfig) -> Datasets:
         y = torch.randint(cfg.num_classes, (n,), generator=gen)
         return centres[y] + cfg.noise * torch.randn(n, *shape, generator=gen), y
 
-    return _datasets(*sample(cfg.num_samples), *sample(max(1, cfg.num_samples // 4)))
+    return _tensor_data(*sample(cfg.num_samples), *sample(max(1, cfg.num_samples // 4)))
 
 
 def _load_npz(path: Path) -> tuple[Tensor, Tensor]:
@@ -115,39 +234,8 @@ def _load_npz(path: Path) -> tuple[Tensor, Tensor]:
     return xt, torch.from_numpy(y).long()
 
 
-def _datasets(x_train: Tensor, y_train: Tensor, x_test: Tensor, y_test: Tensor) -> Datasets:
+def _tensor_data(
+    x_train: Tensor, y_train: Tensor, x_test: Tensor, y_test: Tensor, transform: BatchTransform | None = None
+) -> TensorData:
     num_classes = int(max(y_train.max(), y_test.max())) + 1
-    return Datasets(TensorDataset(x_train, y_train), TensorDataset(x_test, y_test), tuple(x_train.shape[1:]), num_classes)
-
-
-def train_batches(
-    dataset: TensorDataset, batch_size: int, rank: int, world_size: int, seed: int
-) -> Iterator[tuple[Tensor, Tensor]]:
-    """Endless shuffled micro-batches of this worker's shard; each epoch reshuffles (same permutation on all ranks,
-    disjoint shards). One tensor index per batch, not one ``__getitem__`` per sample."""
-    sampler = DistributedSampler(dataset, world_size, rank, shuffle=True, seed=seed, drop_last=True)
-    batches = BatchSampler(sampler, batch_size, drop_last=True)
-    if len(batches) == 0:
-        raise ValueError(
-            f"batch_size={batch_size} is larger than a worker's shard ({len(sampler)} samples of {len(dataset)} "
-            f"over {world_size} workers)"
-        )
-    epoch = 0
-    while True:
-        sampler.set_epoch(epoch)
-        for indices in batches:
-            yield dataset[indices]
-        epoch += 1
-
-
-def micro_batches_per_epoch(dataset: TensorDataset, batch_size: int, world_size: int) -> int:
-    return (len(dataset) // world_size) // batch_size
-
-
-def eval_batches(
-    dataset: TensorDataset, rank: int, world_size: int, batch_size: int
-) -> Iterator[tuple[Tensor, Tensor]]:
-    """Batches of this worker's disjoint slice of the evaluation set (over all workers, every sample exactly once)."""
-    x, y = (t[rank::world_size] for t in dataset.tensors)
-    for start in range(0, len(y), batch_size):
-        yield x[start : start + batch_size], y[start : start + batch_size]
+    return TensorData(TensorDataset(x_train, y_train), TensorDataset(x_test, y_test), num_classes, transform)

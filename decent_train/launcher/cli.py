@@ -24,6 +24,7 @@ from loguru import logger
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from decent_train.components.data import prepare as prepare_data
 from decent_train.config import METRICS_FILE, MODEL_FILE, RESOLVED_CONFIG, RESULT_FILE, TrainConfig, check_config
 from decent_train.launcher.launch import WorkerFailure, format_command, launch_workers, torchrun_command
 
@@ -87,6 +88,7 @@ def _train(cfg: TrainConfig, run_dir: Path, config_path: Path) -> float:
     what = f"topology={cfg.topology.name}" if cfg.algorithm == "decentralized" else "all-reduce"
     logger.info(f"{cfg.launch.world_size} workers on {cfg.launch.device}, {what}; outputs in {run_dir}")
     start = time.perf_counter()
+    prepare_data(cfg.dataset)  # a download happens once, here, not in every worker
     launch_workers(cfg.launch, config_path)
     wall = time.perf_counter() - start
     result_path = run_dir / RESULT_FILE

@@ -1,0 +1,200 @@
+"""Image datasets in their usual on-disk formats: CIFAR-10/100 (torchvision's python pickles) and ImageNet-style
+class folders. Nothing downloads unless ``dataset.download=true`` (CIFAR only)."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
+
+from decent_train.components.data import Batch, BatchTransform, Datasets, TensorData
+
+CIFAR_DIR = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
+CIFAR_SPLITS = {  # (training files, test files)
+    "cifar10": ([f"data_batch_{i}" for i in range(1, 6)], ["test_batch"]),
+    "cifar100": (["train"], ["test"]),
+}
+CIFAR_LABELS = {"cifar10": "labels", "cifar100": "fine_labels"}
+CIFAR_CLASSES = {"cifar10": 10, "cifar100": 100}
+CIFAR_LAYOUT = {
+    name: f"ROOT/{CIFAR_DIR[name]}/ holding {', '.join(train + test)} (torchvision's {name} python format: pickled "
+    f"dicts with 'data' (N x 3072 uint8) and '{CIFAR_LABELS[name]}'; dataset.download=true fetches it)"
+    for name, (train, test) in CIFAR_SPLITS.items()
+}
+# Per-channel statistics of the training sets.
+CIFAR_MEAN_STD = {
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+}
+IMAGENET_MEAN_STD = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+IMAGE_FOLDER_LAYOUT = (
+    "ROOT/train/<class>/<image> and ROOT/val/<class>/<image> (ImageNet-style class folders, the same classes in both)"
+)
+
+
+def cifar_present(root: Path, name: str) -> bool:
+    train, test = CIFAR_SPLITS[name]
+    return all((root / CIFAR_DIR[name] / f).is_file() for f in train + test)
+
+
+def check_cifar(root: Path, name: str) -> None:
+    """Cheap: the files exist and start like pickles. Their contents are checked when a worker loads them."""
+    if not root.is_dir():
+        raise ValueError(f"dataset.root={root} is not a directory; expected {CIFAR_LAYOUT[name]}")
+    folder = root / CIFAR_DIR[name]
+    train, test = CIFAR_SPLITS[name]
+    missing = [f for f in train + test if not (folder / f).is_file()]
+    if missing:
+        raise ValueError(f"{folder} lacks {', '.join(missing)}; expected {CIFAR_LAYOUT[name]}")
+    for f in train + test:
+        with open(folder / f, "rb") as stream:
+            if stream.read(1) != b"\x80":
+                raise ValueError(f"{folder / f} is not a pickle; expected {CIFAR_LAYOUT[name]}")
+
+
+def read_cifar_file(path: Path, name: str) -> tuple[Tensor, Tensor]:
+    """One pickled CIFAR batch: images (N, 3, 32, 32) uint8 and labels (N,) int64."""
+    try:
+        with open(path, "rb") as stream:
+            entry = pickle.load(stream, encoding="latin1")
+        entry = {k.decode() if isinstance(k, bytes) else k: v for k, v in entry.items()}
+        data = np.asarray(entry["data"], dtype=np.uint8)
+        labels = np.asarray(entry[CIFAR_LABELS[name]], dtype=np.int64)
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"{path}: not a CIFAR batch ({type(error).__name__}: {error}); expected {CIFAR_LAYOUT[name]}") from None
+    if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or labels.shape != (len(data),):
+        raise ValueError(f"{path}: data {data.shape}, labels {labels.shape}; expected {CIFAR_LAYOUT[name]}")
+    if labels.min() < 0 or labels.max() >= CIFAR_CLASSES[name]:
+        raise ValueError(f"{path}: labels outside 0..{CIFAR_CLASSES[name] - 1}; expected {CIFAR_LAYOUT[name]}")
+    return torch.from_numpy(data.reshape(-1, 3, 32, 32)), torch.from_numpy(labels)
+
+
+def cifar(root: Path, name: str, augment: bool) -> TensorData:
+    """CIFAR in memory as uint8 (150 MB for the training set); normalized, cropped and flipped per batch."""
+    train_files, test_files = CIFAR_SPLITS[name]
+
+    def read(files: list[str]) -> TensorDataset:
+        parts = [read_cifar_file(root / CIFAR_DIR[name] / f, name) for f in files]
+        return TensorDataset(torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts]))
+
+    mean, std = CIFAR_MEAN_STD[name]
+    return TensorData(read(train_files), read(test_files), CIFAR_CLASSES[name], cifar_transform(mean, std, augment))
+
+
+def cifar_transform(mean: tuple[float, ...], std: tuple[float, ...], augment: bool) -> BatchTransform:
+    mean_t, std_t = torch.tensor(mean).view(1, -1, 1, 1), torch.tensor(std).view(1, -1, 1, 1)
+
+    def transform(x: Tensor, generator: Optional[torch.Generator]) -> Tensor:
+        x = x.float().div_(255.0)
+        if augment and generator is not None:
+            x = random_crop_flip(x, 4, generator)
+        return (x - mean_t) / std_t
+
+    return transform
+
+
+def random_crop_flip(x: Tensor, padding: int, generator: torch.Generator) -> Tensor:
+    """Each image of the batch zero-padded by ``padding``, cropped back at a random offset, flipped with p = 1/2."""
+    n, c, h, w = x.shape
+    padded = F.pad(x, (padding,) * 4)
+    dy = torch.randint(0, 2 * padding + 1, (n,), generator=generator)
+    dx = torch.randint(0, 2 * padding + 1, (n,), generator=generator)
+    flip = torch.rand(n, generator=generator) < 0.5
+    rows = dy[:, None] + torch.arange(h)  # (n, h)
+    cols = dx[:, None] + torch.arange(w)
+    cols = torch.where(flip[:, None], cols.flip(1), cols)
+    return padded[
+        torch.arange(n)[:, None, None, None], torch.arange(c)[None, :, None, None], rows[:, None, :, None], cols[:, None, None, :]
+    ]
+
+
+def download_cifar(root: Path, name: str) -> None:
+    if cifar_present(root, name):
+        return
+    from torchvision import datasets
+
+    cls = datasets.CIFAR10 if name == "cifar10" else datasets.CIFAR100
+    try:
+        for train in (True, False):
+            cls(str(root), train=train, download=True)
+    except Exception as error:  # network, disk: one line, not urllib's traceback
+        raise ValueError(f"dataset.download=true could not fetch {name} into {root}: {error}") from None
+
+
+def check_image_folder(root: Path) -> None:
+    """Cheap: both splits have class folders, the same ones. Image files are listed when a worker loads them."""
+    classes = {}
+    for split in ("train", "val"):
+        folder = root / split
+        if not folder.is_dir():
+            raise ValueError(f"dataset.root={root} has no {split}/ folder; expected {IMAGE_FOLDER_LAYOUT}")
+        classes[split] = sorted(d.name for d in folder.iterdir() if d.is_dir())
+        if not classes[split]:
+            raise ValueError(f"{folder} has no class folders; expected {IMAGE_FOLDER_LAYOUT}")
+    if classes["train"] != classes["val"]:
+        only = sorted(set(classes["train"]) ^ set(classes["val"]))
+        raise ValueError(f"{root}: train/ and val/ have different classes ({', '.join(only[:5])}); expected {IMAGE_FOLDER_LAYOUT}")
+
+
+class ImageFolderData(Datasets):
+    """ImageNet-style folders, decoded by ``loader_workers`` processes per worker with the standard augmentations:
+    random resized crop and flip for training; resize to ``image_size / 0.875`` and centre crop for evaluation."""
+
+    def __init__(self, root: Path, image_size: int, augment: bool, loader_workers: int):
+        from torchvision import datasets
+        from torchvision import transforms as T
+
+        check_image_folder(root)
+        normalize = T.Normalize(*IMAGENET_MEAN_STD)
+        eval_tf = T.Compose([T.Resize(round(image_size / 0.875)), T.CenterCrop(image_size), T.ToTensor(), normalize])
+        train_tf = (
+            T.Compose([T.RandomResizedCrop(image_size), T.RandomHorizontalFlip(), T.ToTensor(), normalize])
+            if augment
+            else eval_tf
+        )
+        try:
+            self.train = datasets.ImageFolder(str(root / "train"), train_tf)
+            self.test = datasets.ImageFolder(str(root / "val"), eval_tf)
+        except (FileNotFoundError, OSError) as error:
+            raise ValueError(f"dataset.root={root}: {error}; expected {IMAGE_FOLDER_LAYOUT}") from None
+        self.input_shape = (3, image_size, image_size)
+        self.num_classes = len(self.train.classes)
+        self.train_size = len(self.train)
+        self.loader_workers = loader_workers
+
+    def _loader(self, dataset: torch.utils.data.Dataset, batch_size: int, **kwargs: object) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size,
+            num_workers=self.loader_workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=self.loader_workers > 0,
+            **kwargs,  # type: ignore[arg-type]
+        )
+
+    def train_batches(self, batch_size: int, rank: int, world: int, seed: int) -> Iterator[Batch]:
+        sampler = DistributedSampler(self.train, world, rank, shuffle=True, seed=seed, drop_last=True)
+        # The generator seeds the decoding processes' augmentations: deterministic by seed, different per worker.
+        loader = self._loader(
+            self.train, batch_size, sampler=sampler, drop_last=True, generator=torch.Generator().manual_seed(seed * 100_003 + rank)
+        )
+        if len(loader) == 0:
+            raise ValueError(
+                f"batch_size={batch_size} is larger than a worker's shard ({len(sampler)} images of {len(self.train)} "
+                f"over {world} workers)"
+            )
+        epoch = 0
+        while True:
+            sampler.set_epoch(epoch)
+            yield from loader
+            epoch += 1
+
+    def eval_batches(self, batch_size: int, rank: int, world: int) -> Iterator[Batch]:
+        yield from self._loader(Subset(self.test, range(rank, len(self.test), world)), batch_size)

@@ -1,0 +1,80 @@
+"""Token datasets for language modelling: ``train.bin`` and ``val.bin``, flat uint16 token ids (nanoGPT's format),
+memory-mapped; a sample is a window of ``context_length`` tokens and its targets are the same window shifted by one."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from decent_train.components.data import Batch, Datasets
+
+TOKENS_LAYOUT = "ROOT/train.bin and ROOT/val.bin, token ids as flat little-endian uint16 (nanoGPT's format)"
+_VOCAB_CHECK_TOKENS = 1 << 22  # token ids checked against the vocabulary on load: a prefix, not a 10 GB file
+
+
+def check_token_files(root: Path, context_length: int) -> None:
+    for split in ("train.bin", "val.bin"):
+        path = root / split
+        if not path.is_file():
+            raise ValueError(f"dataset.root={root} has no {split}; expected {TOKENS_LAYOUT}")
+        size = path.stat().st_size
+        if size % 2:
+            raise ValueError(f"{path} has {size} bytes, not a whole number of uint16 tokens; expected {TOKENS_LAYOUT}")
+        if size // 2 < context_length + 1:
+            raise ValueError(
+                f"{path} has {size // 2} tokens, fewer than dataset.context_length + 1 = {context_length + 1}"
+            )
+
+
+class TokenData(Datasets):
+    """Training: random windows from this worker's contiguous shard of ``train.bin`` (deterministic by seed).
+    Evaluation: ``val.bin`` cut into consecutive windows, dealt round-robin to the workers."""
+
+    def __init__(self, root: Path, context_length: int, vocab_size: int):
+        check_token_files(root, context_length)
+        self.train_path, self.val_path = root / "train.bin", root / "val.bin"
+        self.train_tokens = np.memmap(self.train_path, dtype="<u2", mode="r")
+        self.val_tokens = np.memmap(self.val_path, dtype="<u2", mode="r")
+        for path, tokens in ((self.train_path, self.train_tokens), (self.val_path, self.val_tokens)):
+            top = int(tokens[:_VOCAB_CHECK_TOKENS].max())
+            if top >= vocab_size:
+                raise ValueError(f"{path} holds token id {top}, not below dataset.vocab_size={vocab_size}")
+        self.context_length = context_length
+        self.input_shape = (context_length,)
+        self.num_classes = vocab_size
+        self.train_size = (len(self.train_tokens) - 1) // context_length  # an epoch: as many tokens as the file holds
+
+    def _windows(self, tokens: np.ndarray, starts: list[int]) -> Batch:
+        rows = torch.from_numpy(np.stack([tokens[s : s + self.context_length + 1] for s in starts]).astype(np.int64))
+        return rows[:, :-1], rows[:, 1:]
+
+    def train_batches(self, batch_size: int, rank: int, world: int, seed: int) -> Iterator[Batch]:
+        n = len(self.train_tokens)
+        low, high = rank * n // world, (rank + 1) * n // world  # this worker's shard of the token stream
+        last_start = high - self.context_length - 1  # the window and its shifted targets stay inside the shard
+        if last_start < low:
+            raise ValueError(
+                f"{self.train_path}: {n} tokens over {world} workers leave {high - low} per worker, fewer than "
+                f"dataset.context_length + 1 = {self.context_length + 1}"
+            )
+        generator = torch.Generator().manual_seed(seed * 100_003 + rank)
+        while True:
+            starts = torch.randint(low, last_start + 1, (batch_size,), generator=generator)
+            yield self._windows(self.train_tokens, starts.tolist())
+
+    def eval_batches(self, batch_size: int, rank: int, world: int) -> Iterator[Batch]:
+        windows = range(rank, (len(self.val_tokens) - 1) // self.context_length, world)
+        for i in range(0, len(windows), batch_size):
+            yield self._windows(self.val_tokens, [w * self.context_length for w in windows[i : i + batch_size]])
+
+
+def write_tokens(path: Path, tokens: np.ndarray | Tensor | list[int]) -> None:
+    """Write token ids in the format ``TokenData`` reads (for preparing data and for tests)."""
+    array = np.asarray(tokens)
+    if array.size and (array.min() < 0 or array.max() >= 1 << 16):
+        raise ValueError(f"{path}: token ids must fit in uint16 (0..65535), got {array.min()}..{array.max()}")
+    array.astype("<u2").tofile(path)
