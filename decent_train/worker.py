@@ -40,6 +40,7 @@ from decent_train.components.models import build_model
 from decent_train.components.optim import make_optim_fn, make_scheduler_fn
 from decent_train.config import METRICS_FILE, MODEL_FILE, PRECISIONS, RESULT_FILE, TrainConfig, load_config
 from decent_train.engine.ddp import DecentralizedDataParallel
+from decent_train.engine.optim import LRSchedulerFn
 
 class Precision:
     """``precision=fp32|bf16|fp16``: forward and loss under autocast; fp16 also scales the loss (a GradScaler, kept
@@ -56,12 +57,11 @@ class Precision:
 class Decentralized:
     """``algorithm=decentralized``: the engine steps inside backward and gossips with the topology's neighbours."""
 
-    def __init__(self, net: nn.Module, cfg: TrainConfig, total_steps: int, scaler: torch.amp.GradScaler):
-        self.scaler = scaler
+    def __init__(self, net: nn.Module, cfg: TrainConfig, schedule: LRSchedulerFn, scaler: torch.amp.GradScaler):
         self.engine = DecentralizedDataParallel(
             net,
             optim_fn=make_optim_fn(cfg.optim),
-            lr_scheduler_fn=make_scheduler_fn(cfg.scheduler, total_steps),
+            lr_scheduler_fn=schedule,
             topology=cfg.topology.name,
             scaler=scaler if scaler.is_enabled() else None,
             grad_clip_norm=cfg.grad_clip_norm,
@@ -113,13 +113,13 @@ class Decentralized:
 class AllReduce:
     """``algorithm=allreduce``: torch DistributedDataParallel with the same model, data, optimizer and schedule."""
 
-    def __init__(self, net: nn.Module, cfg: TrainConfig, total_steps: int, scaler: torch.amp.GradScaler):
+    def __init__(self, net: nn.Module, cfg: TrainConfig, schedule: LRSchedulerFn, scaler: torch.amp.GradScaler):
         self.scaler = scaler
         device_ids = [net_device(net)] if net_device(net).type == "cuda" else None
         self.model = DistributedDataParallel(net, device_ids=device_ids, bucket_cap_mb=cfg.bucket_size_mb)
         self.net = net
         self.optimizer = make_optim_fn(cfg.optim)(list(net.named_parameters()))
-        self.scheduler = make_scheduler_fn(cfg.scheduler, total_steps)(self.optimizer)
+        self.scheduler = schedule(self.optimizer)
         self.grad_clip_norm = cfg.grad_clip_norm
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
@@ -214,7 +214,8 @@ def train(cfg: TrainConfig, run_dir: Path, device: torch.device, on_record: OnRe
     total_steps = cfg.steps or math.ceil(cfg.epochs * steps_per_epoch)
     precision = Precision(cfg.precision, device)
     algorithm = Decentralized if cfg.algorithm == "decentralized" else AllReduce
-    algo = algorithm(net, cfg, total_steps, precision.scaler)
+    schedule = make_scheduler_fn(cfg.scheduler, total_steps, steps_per_epoch)
+    algo = algorithm(net, cfg, schedule, precision.scaler)
     trainable = [p for p in net.parameters() if p.requires_grad]
     info = {
         "world_size": world,

@@ -60,17 +60,21 @@ class SchedulerConfig:
 
     name: str = "cosine"
     warmup_steps: int = 0
-    warmup_fraction: float = 0.0  # used when warmup_steps is 0: a share of the run's optimizer steps
+    warmup_epochs: float = 0.0  # used when warmup_steps is 0
+    warmup_fraction: float = 0.0  # used when warmup_steps and warmup_epochs are 0: a share of the run's steps
+    warmup_start: float = 0.01  # the warmup starts at this fraction of the learning rate
     min_lr: float = 1e-6
 
     def __post_init__(self) -> None:
         if self.name not in SCHEDULER_NAMES:
             raise ValueError(f"scheduler.name={self.name!r} is not a schedule; valid: {', '.join(SCHEDULER_NAMES)}")
-        if self.warmup_steps < 0 or not 0.0 <= self.warmup_fraction < 1.0:
+        if self.warmup_steps < 0 or self.warmup_epochs < 0 or not 0.0 <= self.warmup_fraction < 1.0:
             raise ValueError(
-                f"scheduler.warmup_steps={self.warmup_steps} must be >= 0 and "
-                f"scheduler.warmup_fraction={self.warmup_fraction} in [0, 1)"
+                f"scheduler.warmup_steps={self.warmup_steps} and scheduler.warmup_epochs={self.warmup_epochs} must be "
+                f">= 0, scheduler.warmup_fraction={self.warmup_fraction} in [0, 1)"
             )
+        if not 0.0 < self.warmup_start <= 1.0:
+            raise ValueError(f"scheduler.warmup_start={self.warmup_start} must be in (0, 1]")
 
 
 def make_optim_fn(cfg: OptimConfig) -> OptimFn:
@@ -83,13 +87,19 @@ def make_optim_fn(cfg: OptimConfig) -> OptimFn:
     return partial(OPTIMIZERS[cfg.name], **kwargs)
 
 
-def make_scheduler_fn(cfg: SchedulerConfig, total_steps: int) -> LRSchedulerFn:
+def make_scheduler_fn(cfg: SchedulerConfig, total_steps: int, steps_per_epoch: int = 1) -> LRSchedulerFn:
     """The engine's LR-schedule factory for a run of ``total_steps`` optimizer steps."""
     if cfg.name == "constant":
         return _constant
-    warmup = cfg.warmup_steps or int(cfg.warmup_fraction * total_steps)
+    warmup = cfg.warmup_steps or round(cfg.warmup_epochs * steps_per_epoch) or int(cfg.warmup_fraction * total_steps)
     warmup = min(warmup, total_steps - 1)
-    return partial(lr_scheduler_fn_cosine_with_warmup, t_max=max(1, total_steps - warmup), t_warmup=warmup, cosine_eta_min=cfg.min_lr)
+    return partial(
+        lr_scheduler_fn_cosine_with_warmup,
+        t_max=max(1, total_steps - warmup),
+        t_warmup=warmup,
+        cosine_eta_min=cfg.min_lr,
+        warmup_decay=cfg.warmup_start,
+    )
 
 
 def _constant(optimizer: Optimizer) -> LRScheduler:
