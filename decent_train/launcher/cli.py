@@ -29,16 +29,24 @@ from decent_train.config import METRICS_FILE, MODEL_FILE, RESOLVED_CONFIG, RESUL
 from decent_train.launcher.launch import WorkerFailure, format_command, launch_workers, torchrun_command
 
 
-def _conf_dir() -> str:
-    """The packaged config (``decent_train/conf`` in a wheel), else the checkout's ``conf/`` (editable install)."""
-    packaged = Path(__file__).resolve().parents[1] / "conf"
-    return str(packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / "conf")
+def shipped_dir(name: str) -> str:
+    """``conf`` or ``recipes`` as packaged (``decent_train/<name>`` in a wheel), else the checkout's (editable install)."""
+    packaged = Path(__file__).resolve().parents[1] / name
+    return str(packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / name)
+
+
+def with_recipes(argv: list[str]) -> list[str]:
+    """Put the recipes on Hydra's search path (``--config-dir``) so that ``decent-train -cn NAME`` runs one, unless
+    the user names a config dir of their own."""
+    if any(a in ("-cd", "--config-dir") or a.startswith("--config-dir=") for a in argv[1:]):
+        return argv
+    return [argv[0], "--config-dir", shipped_dir("recipes"), *argv[1:]]
 
 
 ConfigStore.instance().store(name="base_train", node=TrainConfig)
 
 
-@hydra.main(version_base="1.3", config_path=_conf_dir(), config_name="train")
+@hydra.main(version_base="1.3", config_path=shipped_dir("conf"), config_name="train")
 def _run_job(cfg: DictConfig) -> float | None:
     """One Hydra job: returns the final test accuracy (what sweepers optimize).
 
@@ -150,6 +158,7 @@ def main() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # make Hydra raise, so we can say what is wrong in one line
     logger.remove()
     logger.add(sys.stderr, level="INFO", format="<green>{time:HH:mm:ss}</green> | <level>{message}</level>")
+    sys.argv = with_recipes(sys.argv)
     try:
         _run_job()
     except Exception as error:  # noqa: BLE001 - composition errors (unknown key or option, bad type) end here
