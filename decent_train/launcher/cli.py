@@ -126,6 +126,9 @@ def describe_error(error: BaseException) -> str | None:
     """One line naming the bad value and what is valid, for errors caused by the user's input; None for bugs."""
     if isinstance(error, (ValueError, WorkerFailure)) and not isinstance(error, OmegaConfBaseException):
         return str(error)
+    if isinstance(error, MissingConfigException) and str(error).startswith("Cannot find primary config"):
+        recipes = sorted(p.stem for p in Path(shipped_dir("recipes")).glob("*.yaml"))
+        return f"-cn {error.missing_cfg_file} is not a recipe; valid: {', '.join(recipes)} (or train, the default)"
     if isinstance(error, MissingConfigException) and error.options is not None and error.missing_cfg_file:
         group, _, option = error.missing_cfg_file.rpartition("/")
         return f"{group}={option} is not an option; valid: {', '.join(error.options)}"
