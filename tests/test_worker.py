@@ -20,9 +20,10 @@ from torch import Tensor, nn
 from decent_train.components.data import Datasets, build_datasets
 from decent_train.components.models import build_model
 from decent_train.components.optim import make_optim_fn, make_scheduler_fn
-from decent_train.config import METRICS_FILE, MODEL_FILE, RESULT_FILE, TrainConfig, check_config
+from decent_train.config import METRICS_FILE, MODEL_FILE, PRECISIONS, RESULT_FILE, TrainConfig, check_config
 from decent_train.worker import train
 
+from .datafiles import write_token_files
 from .distributed import run_workers
 from .replay import replay
 
@@ -64,10 +65,16 @@ def initial_model(cfg: TrainConfig, data: Datasets) -> nn.Module:
     return build_model(cfg.model, data.input_shape, data.num_classes)
 
 
-def accuracy(model: nn.Module, data: Datasets) -> float:
-    x, y = data.test.tensors
-    with torch.no_grad():
-        return (model(x).argmax(1) == y).double().mean().item()
+def autocast(cfg: TrainConfig) -> torch.autocast:
+    return torch.autocast("cpu", dtype=PRECISIONS[cfg.precision], enabled=cfg.precision != "fp32")
+
+
+def accuracy(model: nn.Module, data: Datasets, cfg: TrainConfig) -> float:
+    """Over the whole evaluation set (next-token accuracy for tokens), computed in one piece."""
+    x, y = next(data.eval_batches(10**9, 0, 1))
+    model.eval()
+    with torch.no_grad(), autocast(cfg):
+        return (model(x).argmax(-1) == y).double().mean().item()
 
 
 def records(run_dir: Path) -> list[dict[str, Any]]:
@@ -99,13 +106,33 @@ def check_run(cfg: TrainConfig, oracle_model: nn.Module, losses: dict, data: Dat
     for step, want in expected_window_losses(losses, cfg).items():
         assert logged[step] == pytest.approx(want, rel=1e-5), f"train/loss at step {step}"
     result = json.loads((run_dir / RESULT_FILE).read_text())
-    assert result["eval/accuracy"] == pytest.approx(accuracy(oracle_model, data), abs=1e-12)
+    assert result["eval/accuracy"] == pytest.approx(accuracy(oracle_model, data, cfg), abs=1e-12)
     assert result["steps"] == cfg.steps and result["samples"] == cfg.steps * WORLD * cfg.batch_size * cfg.accum_steps
 
 
-@pytest.mark.parametrize("topology", ["ring", "complete"])
-def test_decentralized_run_matches_replay(tmp_path: Path, topology: str) -> None:
-    cfg = make_cfg(tmp_path, topology={"name": topology})
+def gpt_on_tokens(tmp_path: Path) -> dict[str, Any]:
+    write_token_files(tmp_path / "tokens", train_tokens=4000, val_tokens=400, vocab=48)
+    return dict(
+        model={"name": "gpt2", "layers": 2, "heads": 2, "width": 16},
+        dataset={"name": "tokens", "root": str(tmp_path / "tokens"), "context_length": 12, "vocab_size": 48},
+        batch_size=4,
+    )
+
+
+# name: the config overrides of a decentralized run that must match the replay
+RUNS = {
+    "ring": lambda tmp: {"topology": {"name": "ring"}},
+    "complete": lambda tmp: {"topology": {"name": "complete"}},
+    "bf16_label_smoothing": lambda tmp: {"precision": "bf16", "label_smoothing": 0.1},
+    "fp16_scaler_and_clipping": lambda tmp: {"precision": "fp16", "grad_clip_norm": 0.3},
+    "gpt2_tied_on_tokens": gpt_on_tokens,
+}
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+def test_decentralized_run_matches_replay(tmp_path: Path, run: str) -> None:
+    cfg = make_cfg(tmp_path, **RUNS[run](tmp_path))
+    topology = cfg.topology.name
     run_workers(_train, WORLD, cfg)
 
     data = build_datasets(cfg.dataset)
@@ -114,7 +141,9 @@ def test_decentralized_run_matches_replay(tmp_path: Path, topology: str) -> None
 
     def loss(model: nn.Module, rank: int, step: int, micro: int) -> Tensor:
         x, y = batches[rank][step * cfg.accum_steps + micro]
-        value = F.cross_entropy(model(x), y)
+        with autocast(cfg):
+            logits = model(x)
+        value = F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(), label_smoothing=cfg.label_smoothing)
         losses[(rank, step, micro)] = value.item()
         return value / cfg.accum_steps
 
@@ -128,6 +157,7 @@ def test_decentralized_run_matches_replay(tmp_path: Path, topology: str) -> None
         model_fn=lambda _: initial_model(cfg, data),
         loss=loss,
         micro_batches=cfg.accum_steps,
+        grad_clip_norm=cfg.grad_clip_norm,
     )
     average = initial_model(cfg, data)
     with torch.no_grad():
