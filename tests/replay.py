@@ -134,8 +134,8 @@ def train_engine(
 
 
 def snapshot(model: nn.Module) -> dict[str, Tensor]:
-    """A copy of the parameters by (bare) name."""
-    return {k: v.detach().clone() for k, v in model.named_parameters()}
+    """A copy of the parameters and buffers (BatchNorm statistics) by (bare) name."""
+    return {k: v.detach().clone() for k, v in [*model.named_parameters(), *model.named_buffers()]}
 
 
 def max_deviation(engine: list[dict[str, Any]], expected: list[dict[str, Tensor]]) -> float:

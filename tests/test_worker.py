@@ -69,6 +69,16 @@ def autocast(cfg: TrainConfig) -> torch.autocast:
     return torch.autocast("cpu", dtype=PRECISIONS[cfg.precision], enabled=cfg.precision != "fp32")
 
 
+def average_model(cfg: TrainConfig, data: Datasets, models: list[dict[str, Tensor]]) -> nn.Module:
+    """The mean of the replayed workers' parameters and floating-point buffers (what the worker saves at the end)."""
+    average = initial_model(cfg, data)
+    with torch.no_grad():
+        for name, value in [*average.named_parameters(), *average.named_buffers()]:
+            stacked = torch.stack([m[name] for m in models])
+            value.copy_(stacked.mean(0) if value.is_floating_point() else stacked[0])  # counters: equal on all
+    return average
+
+
 def accuracy(model: nn.Module, data: Datasets, cfg: TrainConfig) -> float:
     """Over the whole evaluation set (next-token accuracy for tokens), computed in one piece."""
     x, y = next(data.eval_batches(10**9, 0, 1))
@@ -159,10 +169,7 @@ def test_decentralized_run_matches_replay(tmp_path: Path, run: str) -> None:
         micro_batches=cfg.accum_steps,
         grad_clip_norm=cfg.grad_clip_norm,
     )
-    average = initial_model(cfg, data)
-    with torch.no_grad():
-        for name, param in average.named_parameters():
-            param.copy_(torch.stack([m[name] for m in models]).mean(0))
+    average = average_model(cfg, data, models)
     check_run(cfg, average, losses, data)
 
 
@@ -188,3 +195,47 @@ def test_allreduce_run_matches_single_process(tmp_path: Path) -> None:
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
     check_run(cfg, model, losses, data)
+
+
+def _train_recording_layout(rank: int, world: int, cfg: TrainConfig) -> dict[str, bool]:
+    seen: dict[str, bool] = {}
+
+    def on_record(record: dict[str, Any], model: nn.Module) -> None:
+        conv = next(m for m in model.modules() if isinstance(m, nn.Conv2d) and m.in_channels > 1)  # else NCHW = NHWC
+        seen["channels_last"] = conv.weight.is_contiguous(memory_format=torch.channels_last) and not conv.weight.is_contiguous()
+        seen["compiled"] = getattr(model, "_compiled_call_impl", None) is not None
+
+    train(cfg, Path(cfg.run.output_dir), torch.device("cpu"), on_record=on_record)
+    return seen
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_channels_last_and_compile_train_the_same_model(tmp_path: Path, compile: bool) -> None:
+    """A CNN in channels_last (and compiled) ends where the replay of the plain model ends."""
+    cfg = make_cfg(tmp_path, model={"name": "cnn", "channels": [4, 8]}, channels_last=True, compile=compile, steps=4)
+    seen = run_workers(_train_recording_layout, WORLD, cfg, timeout=600)
+    assert all(s == {"channels_last": True, "compiled": compile} for s in seen)
+
+    data = build_datasets(cfg.dataset)
+    batches = worker_batches(cfg, data)
+    losses: dict[tuple[int, int, int], float] = {}
+
+    def loss(model: nn.Module, rank: int, step: int, micro: int) -> Tensor:
+        x, y = batches[rank][step * cfg.accum_steps + micro]
+        value = F.cross_entropy(model(x), y)
+        losses[(rank, step, micro)] = value.item()
+        return value / cfg.accum_steps
+
+    from decent_train import build_topology
+
+    models = replay(
+        build_topology(cfg.topology.name, WORLD, WORLD),
+        cfg.steps,
+        optim_fn=make_optim_fn(cfg.optim),
+        lr_scheduler_fn=make_scheduler_fn(cfg.scheduler, cfg.steps),
+        model_fn=lambda _: initial_model(cfg, data),
+        loss=loss,
+        micro_batches=cfg.accum_steps,
+    )
+    average = average_model(cfg, data, models)
+    check_run(cfg, average, losses, data)

@@ -71,8 +71,8 @@ def read_cifar_file(path: Path, name: str) -> tuple[Tensor, Tensor]:
         raise ValueError(f"{path}: not a CIFAR batch ({type(error).__name__}: {error}); expected {CIFAR_LAYOUT[name]}") from None
     if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or labels.shape != (len(data),):
         raise ValueError(f"{path}: data {data.shape}, labels {labels.shape}; expected {CIFAR_LAYOUT[name]}")
-    if labels.min() < 0 or labels.max() >= CIFAR_CLASSES[name]:
-        raise ValueError(f"{path}: labels outside 0..{CIFAR_CLASSES[name] - 1}; expected {CIFAR_LAYOUT[name]}")
+    if not len(labels) or labels.min() < 0 or labels.max() >= CIFAR_CLASSES[name]:
+        raise ValueError(f"{path}: no images, or labels outside 0..{CIFAR_CLASSES[name] - 1}; expected {CIFAR_LAYOUT[name]}")
     return torch.from_numpy(data.reshape(-1, 3, 32, 32)), torch.from_numpy(labels)
 
 

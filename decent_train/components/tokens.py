@@ -26,7 +26,8 @@ def check_token_files(root: Path, context_length: int) -> None:
             raise ValueError(f"{path} has {size} bytes, not a whole number of uint16 tokens; expected {TOKENS_LAYOUT}")
         if size // 2 < context_length + 1:
             raise ValueError(
-                f"{path} has {size // 2} tokens, fewer than dataset.context_length + 1 = {context_length + 1}"
+                f"{path} has {size // 2} tokens, fewer than dataset.context_length + 1 = {context_length + 1}; "
+                f"expected {TOKENS_LAYOUT}"
             )
 
 
