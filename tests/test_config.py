@@ -14,20 +14,29 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from decent_train.config import TrainConfig, check_config
-from decent_train.launcher.cli import _conf_dir
+from decent_train.launcher.cli import shipped_dir
 from decent_train.launcher.launch import LaunchConfig, torchrun_command
 
-CONF = Path(_conf_dir())
+from .datafiles import write_cifar, write_image_folder, write_token_files
+
+CONF = Path(shipped_dir("conf"))
 REPO = Path(__file__).resolve().parents[1]
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
 OPTIONS = [(group, p.stem) for group in GROUPS for p in sorted((CONF / group).glob("*.yaml"))]
 
 
-@pytest.fixture
-def npz_dir(tmp_path: Path) -> Path:
+@pytest.fixture(scope="module")
+def data_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A directory in the real format for each dataset that reads files."""
+    root = tmp_path_factory.mktemp("data")
+    (root / "npz").mkdir()
     for split, n in (("train", 12), ("test", 4)):
-        np.savez(tmp_path / f"{split}.npz", x=np.arange(n * 6, dtype=np.uint8).reshape(n, 6), y=np.arange(n) % 3)
-    return tmp_path
+        np.savez(root / "npz" / f"{split}.npz", x=np.arange(n * 6, dtype=np.uint8).reshape(n, 6), y=np.arange(n) % 3)
+    write_cifar(root / "cifar10", "cifar10", per_file=2)
+    write_cifar(root / "cifar100", "cifar100", per_file=2)
+    write_image_folder(root / "imagefolder", per_class=2)
+    write_token_files(root / "tokens", train_tokens=3000, val_tokens=1100)
+    return {name: root / name for name in ("npz", "cifar10", "cifar100", "imagefolder", "tokens")}
 
 
 def test_conf_groups_mirror_the_schema() -> None:
@@ -37,10 +46,14 @@ def test_conf_groups_mirror_the_schema() -> None:
 
 
 @pytest.mark.parametrize("group,option", OPTIONS)
-def test_every_option_composes_and_checks(group: str, option: str, npz_dir: Path) -> None:
+def test_every_option_composes_and_checks(group: str, option: str, data_dirs: dict[str, Path]) -> None:
     overrides = [f"{group}={option}"]
+    if group == "dataset" and option in data_dirs:
+        overrides.append(f"dataset.root={data_dirs[option]}")
+    if group == "dataset" and option == "tokens" or (group, option) == ("model", "gpt2"):  # a language model and its data
+        overrides += ["model=gpt2", "dataset=tokens", f"dataset.root={data_dirs['tokens']}"]
     if (group, option) == ("dataset", "npz"):
-        overrides.append(f"dataset.root={npz_dir}")
+        overrides.append("model=mlp")  # its samples are vectors
     if (group, option) == ("launch", "gpu"):
         overrides.append("launch.nproc_per_node=2")  # null means one per GPU, resolved by the launcher
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -66,6 +79,14 @@ def test_every_option_composes_and_checks(group: str, option: str, npz_dir: Path
         ({"batch_size": 0}, "batch_size=0"),
         ({"model": {"name": "cnn"}, "dataset": {"name": "synthetic", "input_shape": [64]}}, "model=cnn needs images"),
         ({"steps": 0, "epochs": 0}, "epochs=0"),
+        ({"precision": "fp8"}, "precision='fp8'"),
+        ({"label_smoothing": 1.0}, "label_smoothing=1.0"),
+        ({"global_batch_size": 100, "launch": {"nproc_per_node": 3}}, "global_batch_size=100"),
+        ({"model": {"name": "gpt2"}}, "model=gpt2 cannot train on dataset=digits"),
+        ({"dataset": {"name": "cifar10"}}, "dataset=cifar10 needs dataset.root"),
+        ({"dataset": {"name": "tokens", "root": "/no/such/dir"}, "model": {"name": "gpt2"}}, "/no/such/dir"),
+        ({"dataset": {"name": "imagefolder", "download": True, "root": "/tmp"}}, "dataset.download=true"),
+        ({"scheduler": {"warmup_start": 0.0}}, "scheduler.warmup_start=0.0"),
         ({"topology": {"name": "torus"}}, "unknown topology 'torus'"),
         ({"topology": {"module": "no_such_module_here"}}, "topology.module='no_such_module_here'"),
         ({"topology": {"name": "alternating-exp-ring", "local_world_size": 1}, "launch": {"nproc_per_node": 3}}, "3 workers"),
@@ -99,6 +120,7 @@ def test_wheel_contains_the_config(tmp_path: Path) -> None:
     )
     (wheel,) = tmp_path.glob("decent_train-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    expected = {f"decent_train/conf/{p.relative_to(REPO / 'conf')}" for p in (REPO / "conf").rglob("*.yaml")}
-    assert expected and expected <= names
+    for folder in ("conf", "recipes"):
+        expected = {f"decent_train/{folder}/{p.relative_to(REPO / folder)}" for p in (REPO / folder).rglob("*.yaml")}
+        assert expected and expected <= names
     assert "decent_train/launcher/cli.py" in names and "decent_train/worker.py" in names
