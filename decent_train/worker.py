@@ -42,6 +42,7 @@ from decent_train.config import METRICS_FILE, MODEL_FILE, PRECISIONS, RESULT_FIL
 from decent_train.engine.ddp import DecentralizedDataParallel
 from decent_train.engine.optim import LRSchedulerFn
 
+
 class Precision:
     """``precision=fp32|bf16|fp16``: forward and loss under autocast; fp16 also scales the loss (a GradScaler, kept
     equal on all workers by the engine)."""
