@@ -7,51 +7,65 @@ import pickle
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
+
+from decent_train.components import images
+
+CIFAR10_SIZES = {"data_batch_1": 3, "data_batch_2": 2, "data_batch_3": 4, "data_batch_4": 1, "data_batch_5": 2, "test_batch": 3}
+CIFAR100_SIZES = {"train": 5, "test": 3}
 
 
-def write_cifar(root: Path, name: str = "cifar10", per_file: int = 8, seed: int = 0) -> dict[str, np.ndarray]:
-    """torchvision's layout: ROOT/cifar-10-batches-py/data_batch_1..5, test_batch (or cifar-100-python/train, test).
-    Returns the arrays written, training files first: ``x`` (N, 3072) uint8 and ``y`` (N,)."""
+def _cifar_entry(n: int, rng: np.random.Generator, name: str, file: str, bytes_keys: bool) -> tuple[dict, np.ndarray, np.ndarray]:
+    data = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
+    classes = 10 if name == "cifar10" else 100
+    labels = rng.integers(0, classes, size=n)
+    labels[0] = classes - 1  # the top class is a valid label
+    if name == "cifar10":
+        entry = {"batch_label": f"training batch {file}", "labels": labels.tolist(), "data": data,
+                 "filenames": [f"img_{i}.png" for i in range(n)]}
+    else:
+        entry = {"filenames": [f"img_{i}.png" for i in range(n)], "batch_label": file, "fine_labels": labels.tolist(),
+                 "coarse_labels": (labels // 5).tolist(), "data": data}
+    if bytes_keys:  # what a Python 2 pickle read without an encoding looks like
+        entry = {k.encode(): v for k, v in entry.items()}
+    return entry, data, labels
+
+
+def write_cifar(root: Path, name: str, bytes_keys: bool = False, seed: int = 0) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Tiny CIFAR files in the real format; returns {file: (flat data N x 3072, labels)}."""
     rng = np.random.default_rng(seed)
-    folder, files, key, classes = {
-        "cifar10": ("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"], "labels", 10),
-        "cifar100": ("cifar-100-python", ["train", "test"], "fine_labels", 100),
-    }[name]
-    (root / folder).mkdir(parents=True, exist_ok=True)
-    written: dict[str, np.ndarray] = {}
-    for f in files:
-        x = rng.integers(0, 256, size=(per_file, 3072), dtype=np.uint8)
-        y = rng.integers(0, classes, size=per_file)
-        entry = {"batch_label": f, "data": x, key: y.tolist(), "filenames": [f"{f}_{i}.png" for i in range(per_file)]}
-        if name == "cifar100":
-            entry["coarse_labels"] = (y // 5).tolist()
-        with open(root / folder / f, "wb") as stream:
+    folder = root / images.CIFAR_DIR[name]
+    folder.mkdir(parents=True)
+    written = {}
+    for file, n in (CIFAR10_SIZES if name == "cifar10" else CIFAR100_SIZES).items():
+        entry, data, labels = _cifar_entry(n, rng, name, file, bytes_keys)
+        with open(folder / file, "wb") as stream:
             pickle.dump(entry, stream, protocol=2)
-        written[f] = x
-        written[f + ".labels"] = y
+        written[file] = (data, labels)
     return written
 
 
-def write_image_folder(root: Path, classes: tuple[str, ...] = ("cat", "dog"), per_class: int = 4, size: tuple[int, int] = (40, 48)) -> None:
-    """ROOT/train/<class>/*.png|jpg and ROOT/val/<class>/*.png|jpg, random RGB images of ``size`` (width, height)."""
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    for split, count in (("train", per_class), ("val", max(1, per_class // 2))):
-        for c in classes:
-            folder = root / split / c
-            folder.mkdir(parents=True, exist_ok=True)
-            for i in range(count):
-                pixels = rng.integers(0, 256, size=(size[1], size[0], 3), dtype=np.uint8)
-                Image.fromarray(pixels).save(folder / f"{i}.{'jpg' if i % 2 else 'png'}")
+TRAIN_FILES = {"cat": ["a.png", "b.png", "c.jpg"], "dog": ["a.png", "d.png", "e.png"]}
+VAL_FILES = {"cat": ["x.png", "y.jpg", "z.png"], "dog": ["v.png", "w.png"]}
 
 
-def write_token_files(root: Path, train_tokens: int = 4096, val_tokens: int = 1024, vocab: int = 64) -> tuple[np.ndarray, np.ndarray]:
+def write_image_folder(root: Path, seed: int = 0) -> None:
+    """ROOT/train/<class>/ and ROOT/val/<class>/ holding random 40x48 RGB images, PNG and JPEG."""
+    rng = np.random.default_rng(seed)
+    for split, files in (("train", TRAIN_FILES), ("val", VAL_FILES)):
+        for cls, names in files.items():
+            (root / split / cls).mkdir(parents=True)
+            for file in names:
+                pixels = rng.integers(0, 256, size=(48, 40, 3), dtype=np.uint8)  # 40 wide, 48 high
+                Image.fromarray(pixels).save(root / split / cls / file)
+
+
+def write_token_files(root: Path, n_train: int = 1000, n_val: int = 85, seed: int = 0, vocab: int = 50000) -> tuple[np.ndarray, np.ndarray]:
     """ROOT/train.bin and ROOT/val.bin: flat little-endian uint16 token ids below ``vocab``."""
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
+    train = rng.integers(0, vocab, size=n_train)
+    val = rng.integers(0, vocab, size=n_val)
     root.mkdir(parents=True, exist_ok=True)
-    train = rng.integers(0, vocab, size=train_tokens).astype("<u2")
-    val = rng.integers(0, vocab, size=val_tokens).astype("<u2")
-    train.tofile(root / "train.bin")
-    val.tofile(root / "val.bin")
+    np.array(train, dtype="<u2").tofile(root / "train.bin")
+    np.array(val, dtype="<u2").tofile(root / "val.bin")
     return train, val

@@ -32,10 +32,10 @@ def data_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (root / "npz").mkdir()
     for split, n in (("train", 12), ("test", 4)):
         np.savez(root / "npz" / f"{split}.npz", x=np.arange(n * 6, dtype=np.uint8).reshape(n, 6), y=np.arange(n) % 3)
-    write_cifar(root / "cifar10", "cifar10", per_file=2)
-    write_cifar(root / "cifar100", "cifar100", per_file=2)
-    write_image_folder(root / "imagefolder", per_class=2)
-    write_token_files(root / "tokens", train_tokens=3000, val_tokens=1100)
+    write_cifar(root / "cifar10", "cifar10")
+    write_cifar(root / "cifar100", "cifar100")
+    write_image_folder(root / "imagefolder")
+    write_token_files(root / "tokens", n_train=3000, n_val=1100)
     return {name: root / name for name in ("npz", "cifar10", "cifar100", "imagefolder", "tokens")}
 
 

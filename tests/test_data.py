@@ -15,43 +15,11 @@ from PIL import Image
 from decent_train.components import images, tokens
 from decent_train.components.data import DatasetConfig, build_datasets, prepare
 
+from .datafiles import CIFAR10_SIZES, TRAIN_FILES, VAL_FILES, write_cifar, write_image_folder, write_token_files
+
 # --------------------------------------------------------------------------------------------------------------------
 # CIFAR-10 / CIFAR-100 in torchvision's python format
 # --------------------------------------------------------------------------------------------------------------------
-
-CIFAR10_SIZES = {"data_batch_1": 3, "data_batch_2": 2, "data_batch_3": 4, "data_batch_4": 1, "data_batch_5": 2, "test_batch": 3}
-CIFAR100_SIZES = {"train": 5, "test": 3}
-
-
-def _cifar_entry(n: int, rng: np.random.Generator, name: str, file: str, bytes_keys: bool) -> tuple[dict, np.ndarray, np.ndarray]:
-    data = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
-    classes = 10 if name == "cifar10" else 100
-    labels = rng.integers(0, classes, size=n)
-    labels[0] = classes - 1  # the top class is a valid label
-    if name == "cifar10":
-        entry = {"batch_label": f"training batch {file}", "labels": labels.tolist(), "data": data,
-                 "filenames": [f"img_{i}.png" for i in range(n)]}
-    else:
-        entry = {"filenames": [f"img_{i}.png" for i in range(n)], "batch_label": file, "fine_labels": labels.tolist(),
-                 "coarse_labels": (labels // 5).tolist(), "data": data}
-    if bytes_keys:  # what a Python 2 pickle read without an encoding looks like
-        entry = {k.encode(): v for k, v in entry.items()}
-    return entry, data, labels
-
-
-def write_cifar(root: Path, name: str, bytes_keys: bool = False, seed: int = 0) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Tiny CIFAR files in the real format; returns {file: (flat data N x 3072, labels)}."""
-    rng = np.random.default_rng(seed)
-    folder = root / images.CIFAR_DIR[name]
-    folder.mkdir(parents=True)
-    written = {}
-    for file, n in (CIFAR10_SIZES if name == "cifar10" else CIFAR100_SIZES).items():
-        entry, data, labels = _cifar_entry(n, rng, name, file, bytes_keys)
-        with open(folder / file, "wb") as stream:
-            pickle.dump(entry, stream, protocol=2)
-        written[file] = (data, labels)
-    return written
-
 
 def _unflatten_by_hand(flat: np.ndarray) -> np.ndarray:
     """(N, 3072) -> (N, 3, 32, 32), one pixel at a time: the R plane, then G, then B, each row-major."""
@@ -273,20 +241,6 @@ def test_download_only_for_cifar(tmp_path: Path) -> None:
 # ImageNet-style class folders
 # --------------------------------------------------------------------------------------------------------------------
 
-TRAIN_FILES = {"cat": ["a.png", "b.png", "c.jpg"], "dog": ["a.png", "d.png", "e.png"]}
-VAL_FILES = {"cat": ["x.png", "y.jpg", "z.png"], "dog": ["v.png", "w.png"]}
-
-
-def write_image_folder(root: Path, seed: int = 0) -> None:
-    rng = np.random.default_rng(seed)
-    for split, files in (("train", TRAIN_FILES), ("val", VAL_FILES)):
-        for cls, names in files.items():
-            (root / split / cls).mkdir(parents=True)
-            for file in names:
-                pixels = rng.integers(0, 256, size=(48, 40, 3), dtype=np.uint8)  # 40 wide, 48 high
-                Image.fromarray(pixels).save(root / split / cls / file)
-
-
 def _by_hand(root: Path, split: str, files: dict[str, list[str]]) -> list[tuple[torch.Tensor, int, str]]:
     """Every image of the split through the evaluation pipeline, assembled here from torchvision's transforms."""
     from torchvision import transforms as T
@@ -411,22 +365,12 @@ def test_image_folder_layout_errors_name_the_path(tmp_path: Path) -> None:
 CTX = 8
 
 
-def write_token_dir(root: Path, n_train: int = 1000, n_val: int = 85, seed: int = 0, vocab: int = 50000) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    train = rng.integers(0, vocab, size=n_train)
-    val = rng.integers(0, vocab, size=n_val)
-    root.mkdir(parents=True, exist_ok=True)
-    np.array(train, dtype="<u2").tofile(root / "train.bin")
-    np.array(val, dtype="<u2").tofile(root / "val.bin")
-    return train, val
-
-
 def _token_cfg(root: Path, **kwargs) -> DatasetConfig:
     return DatasetConfig(name="tokens", root=str(root), **{"context_length": CTX, "vocab_size": 50000, **kwargs})
 
 
 def test_write_tokens_matches_numpy_little_endian(tmp_path: Path) -> None:
-    train, val = write_token_dir(tmp_path / "numpy")
+    train, val = write_token_files(tmp_path / "numpy")
     (tmp_path / "mine").mkdir()
     tokens.write_tokens(tmp_path / "mine" / "train.bin", torch.from_numpy(train))  # a tensor
     tokens.write_tokens(tmp_path / "mine" / "val.bin", val.tolist())  # a list
@@ -445,7 +389,7 @@ def test_write_tokens_matches_numpy_little_endian(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("world", [1, 3])
 def test_token_training_windows_lie_in_the_worker_shard(tmp_path: Path, world: int) -> None:
-    train, _ = write_token_dir(tmp_path)
+    train, _ = write_token_files(tmp_path)
     data = build_datasets(_token_cfg(tmp_path))
     assert data.input_shape == (CTX,) and data.num_classes == 50000
     n = len(train)
@@ -481,7 +425,7 @@ def test_token_training_windows_lie_in_the_worker_shard(tmp_path: Path, world: i
 
 def test_token_training_draws_every_start_of_a_small_shard(tmp_path: Path) -> None:
     world, n = 3, 30  # 10 tokens per worker: starts low and low + 1 (a window and its target are CTX + 1 = 9 tokens)
-    train, _ = write_token_dir(tmp_path, n_train=n)
+    train, _ = write_token_files(tmp_path, n_train=n)
     data = build_datasets(_token_cfg(tmp_path))
     for rank in range(world):
         low = rank * n // world
@@ -499,7 +443,7 @@ def test_token_training_draws_every_start_of_a_small_shard(tmp_path: Path) -> No
 @pytest.mark.parametrize("n_val", [81, 85])  # (n - 1) divisible by the context length, and not
 @pytest.mark.parametrize("world", [1, 3])
 def test_token_eval_windows_are_consecutive_and_each_seen_once(tmp_path: Path, world: int, n_val: int) -> None:
-    _, val = write_token_dir(tmp_path, n_val=n_val)
+    _, val = write_token_files(tmp_path, n_val=n_val)
     data = build_datasets(_token_cfg(tmp_path))
     count = (n_val - 1) // CTX
     expected = [val[w * CTX : w * CTX + CTX + 1] for w in range(count)]  # window w starts at w * CTX
@@ -519,7 +463,7 @@ def test_token_eval_windows_are_consecutive_and_each_seen_once(tmp_path: Path, w
 
 
 def test_token_micro_batches_per_epoch(tmp_path: Path) -> None:
-    write_token_dir(tmp_path, n_train=1000)
+    write_token_files(tmp_path, n_train=1000)
     data = build_datasets(_token_cfg(tmp_path))
     assert data.train_size == 999 // CTX == 124
     for world, batch in ((1, 4), (3, 4), (3, 5), (4, 31), (4, 32)):
@@ -530,20 +474,20 @@ def test_token_micro_batches_per_epoch(tmp_path: Path) -> None:
 def test_token_file_errors_name_the_path(tmp_path: Path) -> None:
     layout = tokens.TOKENS_LAYOUT
     root = tmp_path / "noval"
-    write_token_dir(root)
+    write_token_files(root)
     (root / "val.bin").unlink()
     _error([str(root), "val.bin", layout], lambda: _token_cfg(root))
 
     root = tmp_path / "odd"
-    write_token_dir(root)
+    write_token_files(root)
     with open(root / "train.bin", "ab") as stream:
         stream.write(b"\x01")
     _error([str(root / "train.bin"), "2001 bytes", layout], lambda: _token_cfg(root))
 
     root = tmp_path / "short"
-    write_token_dir(root, n_val=CTX)
+    write_token_files(root, n_val=CTX)
     _error([str(root / "val.bin"), str(CTX + 1)], lambda: _token_cfg(root))
-    write_token_dir(root, n_val=CTX + 1)  # exactly one window: fine
+    write_token_files(root, n_val=CTX + 1)  # exactly one window: fine
     assert sum(len(x) for x, _ in build_datasets(_token_cfg(root)).eval_batches(4, 0, 1)) == 1
 
     missing = tmp_path / "nowhere"
@@ -552,7 +496,7 @@ def test_token_file_errors_name_the_path(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("split", ["train.bin", "val.bin"])
 def test_token_ids_must_be_below_the_vocabulary(tmp_path: Path, split: str) -> None:
-    write_token_dir(tmp_path, vocab=100)
+    write_token_files(tmp_path, vocab=100)
     path = tmp_path / split
     ids = np.fromfile(path, dtype="<u2")
     ids[len(ids) // 2] = 99

@@ -87,9 +87,9 @@ def test_allreduce_twin_differs_only_in_algorithm_and_optimizer(recipe: str, opt
 @pytest.fixture(scope="module")
 def data_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("data")
-    write_cifar(root / "cifar", "cifar10", per_file=8)
-    write_image_folder(root / "imagenet", per_class=4, size=(40, 36))
-    write_token_files(root / "owt", train_tokens=2048, val_tokens=300, vocab=64)
+    write_cifar(root / "cifar", "cifar10")
+    write_image_folder(root / "imagenet")
+    write_token_files(root / "owt", n_train=2048, n_val=300, vocab=64)
     return {"cifar": root / "cifar", "imagenet": root / "imagenet", "owt": root / "owt"}
 
 

@@ -121,7 +121,7 @@ def check_run(cfg: TrainConfig, oracle_model: nn.Module, losses: dict, data: Dat
 
 
 def gpt_on_tokens(tmp_path: Path) -> dict[str, Any]:
-    write_token_files(tmp_path / "tokens", train_tokens=4000, val_tokens=400, vocab=48)
+    write_token_files(tmp_path / "tokens", n_train=4000, n_val=400, vocab=48)
     return dict(
         model={"name": "gpt2", "layers": 2, "heads": 2, "width": 16},
         dataset={"name": "tokens", "root": str(tmp_path / "tokens"), "context_length": 12, "vocab_size": 48},
