@@ -16,6 +16,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from decent_train import topology_names
 import decent_train.launcher.cli  # noqa: F401 - registers the config schema Hydra composes against
 from decent_train.config import MODEL_FILE, RESULT_FILE, TrainConfig, check_config
 from decent_train.worker import train
@@ -150,3 +151,16 @@ def test_recipe_runs_from_the_command_line(data_dirs: dict[str, Path], tmp_path:
     resolved = OmegaConf.load(tmp_path / "run" / "resolved_config.yaml")
     assert resolved.model.name == "resnet18" and resolved.model.small_stem and resolved.precision == "bf16"
     assert json.loads((tmp_path / "run" / RESULT_FILE).read_text())["steps"] == 2
+
+
+def test_topology_sweep_runs_one_job_per_topology(tmp_path: Path) -> None:
+    exe = Path(sys.executable).parent / "decent-train"
+    proc = subprocess.run(
+        [str(exe), "-m", "-cn", "topology_sweep", "dry_run=true", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    jobs = sorted((tmp_path / "sweep").glob("*/resolved_config.yaml"))
+    builtin = {"complete", "ring", "one-peer-exp", "alternating-exp-ring"}
+    assert builtin <= set(topology_names())
+    assert {OmegaConf.load(j).topology.name for j in jobs} == builtin and len(jobs) == len(builtin)
