@@ -26,7 +26,13 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from decent_train.components.data import prepare as prepare_data
 from decent_train.config import METRICS_FILE, MODEL_FILE, RESOLVED_CONFIG, RESULT_FILE, TrainConfig, check_config
-from decent_train.launcher.launch import WorkerFailure, format_command, launch_workers, torchrun_command
+from decent_train.launcher.launch import (
+    WorkerFailure,
+    format_command,
+    launch_workers,
+    slurm_rendezvous,
+    torchrun_command,
+)
 
 
 def shipped_dir(name: str) -> str:
@@ -78,9 +84,13 @@ def _check_and_launch(cfg: DictConfig) -> float | None:
         raise ValueError("launch.device=cuda but no CUDA device is visible; valid here: launch.device=cpu")
     if cfg.launch.nproc_per_node is None:  # one worker per GPU
         cfg.launch.nproc_per_node = max(1, torch.cuda.device_count())
+    if cfg.launch.nnodes > 1 and not cfg.launch.rdzv_endpoint and os.environ.get("SLURM_JOB_ID"):
+        # One Hydra job on each node of a SLURM allocation (hydra/launcher=slurm with launch.nnodes > 1).
+        cfg.launch.rdzv_endpoint, cfg.launch.rdzv_id = slurm_rendezvous()
     train_cfg = check_config(cfg)
     config_path = run_dir / RESOLVED_CONFIG
-    OmegaConf.save(OmegaConf.structured(train_cfg), config_path)
+    # What the workers run: the dry run's file too, so the command it prints trains this job.
+    OmegaConf.save(OmegaConf.structured(dataclasses.replace(train_cfg, dry_run=False)), config_path)
 
     if train_cfg.dry_run:
         _print_dry_run(train_cfg, config_path)
@@ -100,9 +110,10 @@ def _train(cfg: TrainConfig, run_dir: Path, config_path: Path) -> float:
     launch_workers(cfg.launch, config_path)
     wall = time.perf_counter() - start
     result_path = run_dir / RESULT_FILE
-    result = json.loads(result_path.read_text())
-    result["wall_time_s"] = wall
-    result_path.write_text(json.dumps(result, indent=2) + "\n")
+    result = json.loads(result_path.read_text())  # rank 0 wrote it before every worker left (a barrier)
+    if os.environ.get("SLURM_NODEID", "0") == "0":  # on several nodes, one of them completes it
+        result["wall_time_s"] = wall
+        result_path.write_text(json.dumps(result, indent=2) + "\n")
     print(
         f"decent-train: eval/accuracy {result['eval/accuracy']:.4f}, eval/loss {result['eval/loss']:.4f} after "
         f"{result['steps']} steps; {result['throughput/samples_per_s']:.0f} samples/s over {result['world_size']} "

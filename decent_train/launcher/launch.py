@@ -7,10 +7,11 @@ import logging
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -20,6 +21,25 @@ from torch.distributed.launcher.api import elastic_launch
 
 DEVICES = ("cpu", "cuda", "auto")
 WORKER_MODULE = "decent_train.worker"
+
+
+@dataclass
+class SlurmConfig:
+    """``launch.slurm``: what each job of a SLURM sweep asks for (``-m hydra/launcher=slurm``, which reads these in
+    ``conf/hydra/launcher/slurm.yaml``). ``scripts/slurm_train.sbatch`` gets its allocation from sbatch instead."""
+
+    partition: Optional[str] = None  # null: the cluster's default partition
+    account: Optional[str] = None
+    time_min: int = 60  # the job's time limit, minutes
+    gpus_per_node: Optional[int] = None  # null: no GPUs (launch=gpu starts one worker per GPU the job gets)
+    cpus_per_task: Optional[int] = None  # CPUs per node (one task per node runs the torchrun agent); null: SLURM's
+    mem_gb: Optional[int] = None  # memory per node; null: SLURM's default
+
+    def __post_init__(self) -> None:
+        for key in ("time_min", "gpus_per_node", "cpus_per_task", "mem_gb"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"launch.slurm.{key}={value} must be >= 1")
 
 
 @dataclass
@@ -34,6 +54,7 @@ class LaunchConfig:
     rdzv_endpoint: str = ""  # host:port of the c10d rendezvous; empty: standalone on this node
     rdzv_id: str = ""  # empty: a fresh id per launch
     threads_per_worker: Optional[int] = None  # OMP_NUM_THREADS of each worker; null: CPU cores / workers per node
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
     def __post_init__(self) -> None:
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
@@ -84,6 +105,24 @@ def torchrun_command(cfg: LaunchConfig, config_path: Path) -> list[str]:
         WORKER_MODULE,
         str(config_path),
     ]
+
+
+def slurm_rendezvous() -> tuple[str, str]:
+    """``(host:port, id)`` of a c10d rendezvous at the first node of this SLURM job, as ``scripts/slurm_train.sbatch``
+    derives them: port 29500 + job id mod 10000, so jobs that share a node don't collide. Never localhost: on several
+    nodes each would form a world of its own and wait forever."""
+    job_id, nodes = os.environ["SLURM_JOB_ID"], os.environ.get("SLURM_JOB_NODELIST", "")
+    try:
+        hosts = subprocess.run(
+            ["scontrol", "show", "hostnames", nodes], capture_output=True, text=True, check=True
+        ).stdout.split()
+    except (OSError, subprocess.CalledProcessError) as error:
+        hosts, why = [], f"scontrol show hostnames {nodes!r} failed: {error}"
+    else:
+        why = f"scontrol show hostnames {nodes!r} printed none"
+    if not hosts:
+        raise ValueError(f"SLURM job {job_id}: cannot find its first node ({why}); set launch.rdzv_endpoint=HOST:PORT")
+    return f"{hosts[0]}:{29500 + int(job_id) % 10000}", job_id
 
 
 def launch_workers(cfg: LaunchConfig, config_path: Path) -> None:
