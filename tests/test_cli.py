@@ -127,6 +127,7 @@ BAD_INPUTS = {
     "no workers": (["launch.nproc_per_node=0"], ["launch.nproc_per_node=0"]),
     "missing dataset dir": (["dataset=npz", "dataset.root=/no/such/dir"], ["/no/such/dir", "train.npz"]),
     "unknown algorithm": (["algorithm=gossip"], ["gossip", "decentralized, allreduce"]),
+    **({"cuda without a GPU": (["launch=gpu"], ["launch.device=cuda", "launch.device=cpu"])} if not torch.cuda.is_available() else {}),
 }
 
 

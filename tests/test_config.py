@@ -21,7 +21,7 @@ from .datafiles import write_cifar, write_image_folder, write_token_files
 
 CONF = Path(shipped_dir("conf"))
 REPO = Path(__file__).resolve().parents[1]
-GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")  # hydra/: Hydra's own groups (launcher)
 OPTIONS = [(group, p.stem) for group in GROUPS for p in sorted((CONF / group).glob("*.yaml"))]
 
 

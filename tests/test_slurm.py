@@ -121,28 +121,50 @@ def test_submitit_sweep_runs_each_job_on_slurm(slurm: dict[str, str], tmp_path: 
         assert line in script, script
 
 
+@pytest.mark.slurm
+def test_submitit_job_that_fails_ends_the_sweep_with_its_error(slurm: dict[str, str], tmp_path: Path) -> None:
+    # Values are checked in the job, on its node (composition errors stop the sweep before any submission).
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "decent-train"), "-m", "hydra/launcher=slurm", "topology=one-peer-exp",
+         "launch.nproc_per_node=3", "launch.slurm.cpus_per_task=1", *JOB, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+        env=slurm, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "decent-train: error: topology=one-peer-exp with 3 workers: topology 'one-peer-exp' needs a power-of-two "
+        "number of workers (1, 2, 4, 8, ...); got 3"
+    )
+
+
 def script_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     return env | extra
 
 
-def test_sbatch_dry_run_checks_and_prints_the_commands_of_every_node(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("per_node", "workers", "device"),
+    [({"GPUS_PER_NODE": "8"}, 8, "cuda"), ({}, 2, "cpu")],  # CPU nodes: launch.nproc_per_node=2 overrides the CPUs
+)
+def test_sbatch_dry_run_checks_and_prints_the_commands_of_every_node(
+    tmp_path: Path, per_node: dict[str, str], workers: int, device: str
+) -> None:
+    args = [] if device == "cuda" else ["launch.nproc_per_node=2"]  # a GPU node: one worker per GPU
     proc = subprocess.run(
-        ["bash", str(SBATCH_SCRIPT), "topology=alternating-exp-ring", "launch.nproc_per_node=2"],
-        env=script_env(DRY_RUN="1", NODES="4", RUN_DIR=str(tmp_path / "run")), cwd=tmp_path,
+        ["bash", str(SBATCH_SCRIPT), "topology=alternating-exp-ring", *args],
+        env=script_env(DRY_RUN="1", NODES="4", RUN_DIR=str(tmp_path / "run"), **per_node), cwd=tmp_path,
         capture_output=True, text=True, timeout=120,
     )
     check_succeeded(proc)
     cfg = OmegaConf.load(tmp_path / "run" / "resolved_config.yaml")
-    assert (cfg.launch.nnodes, cfg.launch.nproc_per_node, cfg.launch.device) == (4, 2, "cpu")
+    assert (cfg.launch.nnodes, cfg.launch.nproc_per_node, cfg.launch.device) == (4, workers, device)
     assert cfg.dry_run is False  # the file is what the workers run
-    assert "alternating-exp-ring: 8 workers (4 nodes x 2)" in proc.stdout
+    assert f"alternating-exp-ring: {4 * workers} workers (4 nodes x {workers})" in proc.stdout
     head = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
     command = proc.stdout.split("would run on each node:")[1].split()
     assert command[:4] == ["srun", "--nodes=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     assert command[-9:] == [
-        "--nnodes=4", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint={head}:29500", "--rdzv-id=0",
+        "--nnodes=4", f"--nproc-per-node={workers}", "--rdzv-backend=c10d", f"--rdzv-endpoint={head}:29500", "--rdzv-id=0",
         "--max-restarts=0", "-m", "decent_train.worker", str(tmp_path / "run" / "resolved_config.yaml"),
     ]
     assert not (tmp_path / "run" / "logs").exists()

@@ -80,7 +80,7 @@ def _check_and_launch(cfg: DictConfig) -> float | None:
     cfg.run.overrides = list(hydra_cfg.overrides.task)
     cfg.run.job_num = hydra_cfg.job.num if multirun else None
     cfg.run.sweep_dir = str(Path(hydra_cfg.sweep.dir).resolve()) if multirun else None
-    if cfg.launch.device == "cuda" and not torch.cuda.is_available():
+    if cfg.launch.device == "cuda" and not cfg.dry_run and not torch.cuda.is_available():  # a login node may check
         raise ValueError("launch.device=cuda but no CUDA device is visible; valid here: launch.device=cpu")
     if cfg.launch.nproc_per_node is None:  # one worker per GPU
         cfg.launch.nproc_per_node = max(1, torch.cuda.device_count())
@@ -135,7 +135,7 @@ def _print_dry_run(cfg: TrainConfig, config_path: Path) -> None:
 
 def describe_error(error: BaseException) -> str | None:
     """One line naming the bad value and what is valid, for errors caused by the user's input; None for bugs."""
-    if isinstance(error, (ValueError, WorkerFailure)) and not isinstance(error, OmegaConfBaseException):
+    if isinstance(error, (ValueError, WorkerFailure, JobFailed)) and not isinstance(error, OmegaConfBaseException):
         return str(error)
     if isinstance(error, MissingConfigException) and str(error).startswith("Cannot find primary config"):
         recipes = sorted(p.stem for p in Path(shipped_dir("recipes")).glob("*.yaml"))
@@ -161,8 +161,15 @@ def _field_names(object_type: Any) -> list[str]:
     return [f.name for f in dataclasses.fields(object_type)] if dataclasses.is_dataclass(object_type) else []
 
 
+class JobFailed(RuntimeError):
+    """A job of a SLURM sweep failed (the message is its one line): raised, not an exit, so that submitit sends it
+    back to the submitting host instead of leaving it to wait for the job's result."""
+
+
 def _exit_with(message: str, status: int) -> None:
     print(f"decent-train: error: {message}", file=sys.stderr, flush=True)
+    if os.environ.get("SUBMITIT_EXECUTOR"):
+        raise JobFailed(message)
     raise SystemExit(status)
 
 
@@ -179,7 +186,7 @@ def main() -> None:
         message = None if full_error else describe_error(error)
         if message is None:
             raise
-        _exit_with(message, 2)
+        _exit_with(message, 1 if isinstance(error, JobFailed) else 2)  # a SLURM job's failure, already checked
     finally:
         if not full_error:
             os.environ.pop("HYDRA_FULL_ERROR", None)
