@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from decent_train.components.checkpoint import CheckpointConfig, complete_checkpoints
 from decent_train.components.data import IMAGE_DATASETS, DatasetConfig
 from decent_train.components.metrics import LoggerConfig
 from decent_train.components.models import ModelConfig
@@ -80,6 +81,8 @@ class TrainConfig:
     eval_every: int = 0  # optimizer steps between evaluations of the averaged model; 0: only at the end
     eval_batch_size: int = 512
     bucket_size_mb: float = 25.0  # the engine's (and DDP's) bucket size
+    comm_timeout_s: float = 300.0  # a gossip exchange or collective that takes longer fails (a peer hangs or died)
+    resume: Optional[str] = None  # a run directory to continue from (its newest complete checkpoint)
     dry_run: bool = False  # validate, print the topology and the worker command, train nothing
     model: ModelConfig = field(default_factory=ModelConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
@@ -88,6 +91,7 @@ class TrainConfig:
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunInfo = field(default_factory=RunInfo)
 
     def __post_init__(self) -> None:
@@ -104,10 +108,10 @@ class TrainConfig:
             self.batch_size_per_worker(self.launch.world_size)
         if self.steps < 0 or (self.steps == 0 and self.epochs <= 0):
             raise ValueError(f"steps={self.steps}, epochs={self.epochs}: set steps >= 1, or steps=0 and epochs > 0")
-        if self.eval_every < 0 or self.grad_clip_norm < 0 or self.bucket_size_mb <= 0:
+        if self.eval_every < 0 or self.grad_clip_norm < 0 or self.bucket_size_mb <= 0 or self.comm_timeout_s <= 0:
             raise ValueError(
                 f"eval_every={self.eval_every} and grad_clip_norm={self.grad_clip_norm} must be >= 0, "
-                f"bucket_size_mb={self.bucket_size_mb} > 0"
+                f"bucket_size_mb={self.bucket_size_mb} and comm_timeout_s={self.comm_timeout_s} > 0"
             )
         self._check_model_fits_data()
         if self.algorithm == "decentralized" and self.launch.nproc_per_node is not None:
@@ -116,6 +120,17 @@ class TrainConfig:
                 self.build_topology()
             except ValueError as error:
                 raise ValueError(f"topology={self.topology.name} with {self.launch.world_size} workers: {error}") from None
+        if self.resume is not None:
+            self._check_resume()
+
+    def _check_resume(self) -> None:
+        checkpoints = complete_checkpoints(Path(self.resume))
+        if not checkpoints:
+            raise ValueError(f"resume={self.resume} holds no complete checkpoint (checkpoints/step_*/manifest.json)")
+        if self.launch.nproc_per_node is not None:
+            mismatch = checkpoints[0].describe_mismatch(self.launch.world_size, self.schedule())
+            if mismatch:
+                raise ValueError(f"resume={self.resume}: {mismatch}")
 
     def _check_model_fits_data(self) -> None:
         model, dataset = self.model.name, self.dataset.name
@@ -140,6 +155,11 @@ class TrainConfig:
                 f"{world_size} x {self.accum_steps}"
             )
         return self.global_batch_size // per_step
+
+    def schedule(self) -> str:
+        """What a checkpoint must have been trained with, besides the world size: the topology laid out over nodes,
+        or all-reduce."""
+        return self.build_topology().label if self.algorithm == "decentralized" else "allreduce"
 
     def build_topology(self) -> Topology:
         """The gossip schedule for the launch's workers (no process group needed)."""

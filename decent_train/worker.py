@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from decent_train.components.checkpoint import complete_checkpoints, load_latest_checkpoint, save_checkpoint
 from decent_train.components.data import Datasets, build_datasets
 from decent_train.components.metrics import (
     MetricLogger,
@@ -69,8 +71,15 @@ class Decentralized:
             bucket_size_in_mb=cfg.bucket_size_mb,
             local_world_size=cfg.topology.local_world_size,  # None: torchrun's LOCAL_WORLD_SIZE
             sync_buffer_in_global_avg=True,  # BatchNorm statistics are averaged with the parameters for evaluation
+            timeout=cfg.comm_timeout_s,
         )
         self.model, self.net = self.engine, net
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.engine.engine_state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.engine.load_engine_state_dict(state)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         return self.engine.no_sync()
@@ -122,6 +131,18 @@ class AllReduce:
         self.optimizer = make_optim_fn(cfg.optim)(list(net.named_parameters()))
         self.scheduler = schedule(self.optimizer)
         self.grad_clip_norm = cfg.grad_clip_norm
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         return self.model.no_sync()
@@ -201,6 +222,7 @@ def train(cfg: TrainConfig, run_dir: Path, device: torch.device, on_record: OnRe
     ``on_record(record, model)`` runs on every rank after each record is measured (before any evaluation).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
+    run_dir.mkdir(parents=True, exist_ok=True)
     batch_size = cfg.batch_size_per_worker(world)
     data = build_datasets(cfg.dataset)
     torch.manual_seed(cfg.seed)  # the same initial model on every worker
@@ -228,10 +250,13 @@ def train(cfg: TrainConfig, run_dir: Path, device: torch.device, on_record: OnRe
         **algo.info(),
     }
     logger.info(" | ".join(f"{k} {v}" for k, v in info.items()))
-    metrics = MetricLogger(run_dir / METRICS_FILE if rank == 0 else None, cfg.logger, dataclasses.asdict(cfg))
+    start_step = _resume(cfg, run_dir, algo, device)
+    metrics = MetricLogger(
+        run_dir / METRICS_FILE if rank == 0 else None, cfg.logger, dataclasses.asdict(cfg), resumed_step=start_step
+    )
     metrics.log_info(info)
     try:
-        job = Job(cfg, algo, data, batch_size, precision, device, total_steps, steps_per_epoch)
+        job = Job(cfg, algo, data, batch_size, precision, device, total_steps, steps_per_epoch, run_dir, start_step)
         result = _train_loop(job, metrics, on_record)
     except BaseException:
         metrics.close(failed=True)
@@ -259,22 +284,75 @@ class Job:
     device: torch.device
     total_steps: int
     steps_per_epoch: int
+    run_dir: Path
+    start_step: int  # steps already taken (a resumed run)
+
+
+def _resume(cfg: TrainConfig, run_dir: Path, algo: Decentralized | AllReduce, device: torch.device) -> int:
+    """Load the newest complete checkpoint of this run (a restarted worker) or of ``cfg.resume``; the step it was
+    taken at, 0 when there is none."""
+    run_dirs = [run_dir] + ([Path(cfg.resume)] if cfg.resume else [])
+    checkpoint, state = load_latest_checkpoint(run_dirs, cfg.schedule())
+    if checkpoint is None or state is None:
+        return 0
+    algo.net.load_state_dict(state["model"])
+    algo.load_state_dict(state["algorithm"])
+    torch.set_rng_state(state["rng"])
+    if device.type == "cuda" and state["cuda_rng"] is not None:
+        torch.cuda.set_rng_state(state["cuda_rng"], device)
+    logger.info(f"resumed from {checkpoint.path} (step {checkpoint.step})")
+    return checkpoint.step
+
+
+def _checkpoint(job: Job, step: int, first_bad_step: torch.Tensor) -> float:
+    """Save every worker's state at ``step`` unless a loss was NaN or infinite; the seconds it took."""
+    start = time.perf_counter()
+    _check_finite(first_bad_step, job.run_dir)  # never save a diverged model
+    state = {
+        "step": step,
+        "model": job.algo.net.state_dict(),
+        "algorithm": job.algo.state_dict(),
+        "rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state(job.device) if job.device.type == "cuda" else None,
+    }
+    path = save_checkpoint(job.run_dir, step, state, job.cfg.schedule(), job.cfg.checkpoint.keep)
+    logger.debug(f"checkpoint {path}")
+    return time.perf_counter() - start
+
+
+class NonFiniteLoss(RuntimeError):
+    """The training loss became NaN or infinite: training stops, the checkpoints before it are kept."""
+
+
+def _check_finite(first_bad_step: torch.Tensor, run_dir: Path) -> None:
+    """Stop on every rank if any rank's loss was NaN or infinite since the start (``first_bad_step`` > 0)."""
+    steps = _gather([first_bad_step], first_bad_step.device)[:, 0]
+    if steps.max() > 0:
+        step = int(steps[steps > 0].min())
+        ranks = [r for r, s in enumerate(steps.tolist()) if s > 0]
+        good = complete_checkpoints(run_dir)
+        kept = f"the last good checkpoint is {good[0].path}" if good else "no checkpoint was written before it"
+        raise NonFiniteLoss(f"train/loss is NaN or infinite from step {step} on (rank {ranks[0]}); stopped: {kept}")
 
 
 def _train_loop(job: Job, metrics: MetricLogger, on_record: OnRecord | None) -> dict[str, Any]:
     cfg, algo, device, precision, total_steps = job.cfg, job.algo, job.device, job.precision, job.total_steps
     rank, world = dist.get_rank(), dist.get_world_size()
-    batches = job.data.train_batches(job.batch_size, rank, world, cfg.seed)
+    batches = job.data.train_batches(job.batch_size, rank, world, cfg.seed, start=job.start_step * cfg.accum_steps)
     trainable = [p for p in algo.net.parameters() if p.requires_grad]
     samples_per_step = job.batch_size * cfg.accum_steps  # per worker
     bytes_per_step = algo.bytes_per_step()
-    bar = tqdm(total=total_steps, unit="step", disable=rank != 0 or not cfg.logger.progress_bar, dynamic_ncols=True)
+    bar = tqdm(
+        total=total_steps, initial=job.start_step, unit="step", disable=rank != 0 or not cfg.logger.progress_bar,
+        dynamic_ncols=True,
+    )
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # summed on the device: no host sync per step
+    first_bad_step = torch.zeros((), dtype=torch.int64, device=device)  # the first step with a NaN/inf loss; 0: none
     micro_batches, data_seconds, comm_start = 0, 0.0, algo.comm_wait_seconds() or 0.0
     window_start = train_start = time.perf_counter()
     train_seconds = 0.0
     record: dict[str, Any] = {}
-    for step in range(1, total_steps + 1):
+    for step in range(job.start_step + 1, total_steps + 1):
         for micro in range(cfg.accum_steps):
             data_start = time.perf_counter()
             x, y = to_device(next(batches), device, cfg.channels_last)
@@ -284,16 +362,24 @@ def _train_loop(job: Job, metrics: MetricLogger, on_record: OnRecord | None) -> 
                     loss = cross_entropy(algo.model(x), y, label_smoothing=cfg.label_smoothing)
                 precision.scaler.scale(loss / cfg.accum_steps).backward()
             loss_sum += loss.detach()
+            first_bad_step = torch.where((first_bad_step == 0) & ~torch.isfinite(loss.detach()), step, first_bad_step)
             micro_batches += 1
         algo.step()
         bar.update()
 
+        every = cfg.checkpoint.every
+        checkpoint_now = every > 0 and (step % every == 0 or step == total_steps)
+        if checkpoint_now and step == total_steps:  # before the final average replaces the workers' models
+            window_start += _checkpoint(job, step, first_bad_step)  # (checkpoints are not training time)
         evaluate_now = step == total_steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
         consensus_now = cfg.logger.consensus_every > 0 and step % cfg.logger.consensus_every == 0
         if not (step % cfg.logger.log_every == 0 or evaluate_now or consensus_now):
+            if checkpoint_now and step < total_steps:
+                window_start += _checkpoint(job, step, first_bad_step)
             continue
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the window's time includes its queued work
+        _check_finite(first_bad_step, job.run_dir)
         elapsed = time.perf_counter() - window_start
         # The record's own cost (the gather below, the consensus all-reduce, the sinks) is training time: it counts in
         # the next window, so throughput shows what measuring costs. Evaluation does not count (see below).
@@ -343,15 +429,24 @@ def _train_loop(job: Job, metrics: MetricLogger, on_record: OnRecord | None) -> 
         )
         loss_sum.zero_()
         micro_batches, data_seconds, comm_start = 0, 0.0, algo.comm_wait_seconds() or 0.0
+        if checkpoint_now and step < total_steps:  # after the step's record: a run resumed here logs from the next
+            window_start += _checkpoint(job, step, first_bad_step)
     bar.close()
+    if not record:  # resumed from the final checkpoint: only the final average and its evaluation are left
+        algo.average()
+        with algo.averaged():
+            record = {"train/loss": math.nan, **evaluate(algo.net, cfg, job.data, device, precision)}
+        train_seconds = math.inf
+    trained = (total_steps - job.start_step) * samples_per_step * world  # in this run (after a resume: since it)
     return {
         "eval/accuracy": record["eval/accuracy"],
         "eval/loss": record["eval/loss"],
         "train/loss": record["train/loss"],
         "steps": total_steps,
+        "resumed_from_step": job.start_step,
         "samples": total_steps * samples_per_step * world,
         "train_time_s": train_seconds,
-        "throughput/samples_per_s": total_steps * samples_per_step * world / train_seconds,
+        "throughput/samples_per_s": trained / train_seconds,
     }
 
 
@@ -363,18 +458,40 @@ def _gather(values: list[float | torch.Tensor], device: torch.device) -> torch.T
     return torch.stack(rows).cpu()
 
 
-def init_distributed(device_kind: str) -> torch.device:
-    """Join the process group torchrun describes: NCCL and one GPU per local rank on CUDA, gloo on CPU."""
+def init_distributed(device_kind: str, timeout: timedelta) -> torch.device:
+    """Join the process group torchrun describes: NCCL and one GPU per local rank on CUDA, gloo on CPU. A collective
+    that takes longer than ``timeout`` fails (a peer hangs or died) instead of waiting forever."""
     use_cuda = device_kind == "cuda" or (device_kind == "auto" and torch.cuda.is_available())
+    device = torch.device("cpu")
     if use_cuda:
         if not torch.cuda.is_available():
             raise RuntimeError("launch.device=cuda but this worker sees no CUDA device")
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-        return device
-    dist.init_process_group("gloo")
-    return torch.device("cpu")
+    backend = {"backend": "nccl", "device_id": device} if use_cuda else {"backend": "gloo"}
+    store = _restart_store(timeout)
+    if store is None:
+        dist.init_process_group(**backend, timeout=timeout)
+    else:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(**backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    return device
+
+
+def _restart_store(timeout: timedelta) -> dist.Store | None:
+    """The elastic agent's store under a prefix of its own for each restart of the workers.
+
+    torch 2.15 reuses the agent's store across restarts without one, so restarted workers could read the addresses
+    their dead predecessors published and hang connecting to them (seen with gloo after a worker was killed). None
+    outside an elastic agent's store: the default rendezvous then applies.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]), is_master=False,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"decent_train/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
 
 
 @record
@@ -385,7 +502,7 @@ def main(argv: list[str] | None = None) -> None:
     config_path = Path(args[0]).resolve()
     cfg = load_config(config_path)
     run_dir = Path(cfg.run.output_dir) if cfg.run.output_dir else config_path.parent
-    device = init_distributed(cfg.launch.device)
+    device = init_distributed(cfg.launch.device, timedelta(seconds=cfg.comm_timeout_s))
     setup_worker_logging(run_dir, dist.get_rank(), cfg.logger)
     try:
         train(cfg, run_dir, device)

@@ -118,8 +118,12 @@ class Datasets(ABC):
     train_size: int  # training samples (context windows for tokens) in one epoch
 
     @abstractmethod
-    def train_batches(self, batch_size: int, rank: int, world: int, seed: int) -> Iterator[Batch]:
-        """Endless micro-batches of this worker's shard, reshuffled each epoch; disjoint from other workers'."""
+    def train_batches(self, batch_size: int, rank: int, world: int, seed: int, start: int = 0) -> Iterator[Batch]:
+        """Endless micro-batches of this worker's shard, reshuffled each epoch; disjoint from other workers'.
+
+        ``start``: begin with micro-batch number ``start`` of that stream (a resumed run), without producing the
+        ones before it.
+        """
 
     @abstractmethod
     def eval_batches(self, batch_size: int, rank: int, world: int) -> Iterator[Batch]:
@@ -127,6 +131,11 @@ class Datasets(ABC):
 
     def micro_batches_per_epoch(self, batch_size: int, world: int) -> int:
         return (self.train_size // world) // batch_size
+
+
+def batch_generator(seed: int, rank: int, epoch: int, index: int) -> torch.Generator:
+    """The random numbers of one training batch: by seed, different per worker, epoch and batch."""
+    return torch.Generator().manual_seed(((seed * 100_003 + rank) * 1_000_003 + epoch) * 1_000_003 + index)
 
 
 BatchTransform = Callable[[Tensor, Optional[torch.Generator]], Tensor]  # (x, generator or None at evaluation) -> x
@@ -144,7 +153,7 @@ class TensorData(Datasets):
         self.input_shape = tuple(train.tensors[0].shape[1:])
         self.train_size = len(train)
 
-    def train_batches(self, batch_size: int, rank: int, world: int, seed: int) -> Iterator[Batch]:
+    def train_batches(self, batch_size: int, rank: int, world: int, seed: int, start: int = 0) -> Iterator[Batch]:
         sampler = DistributedSampler(self.train, world, rank, shuffle=True, seed=seed, drop_last=True)
         batches = BatchSampler(sampler, batch_size, drop_last=True)
         if len(batches) == 0:
@@ -152,14 +161,17 @@ class TensorData(Datasets):
                 f"batch_size={batch_size} is larger than a worker's shard ({len(sampler)} samples of "
                 f"{len(self.train)} over {world} workers)"
             )
-        generator = torch.Generator().manual_seed(seed * 100_003 + rank)  # augmentation: per worker, by seed
-        epoch = 0
+        epoch, skip = divmod(start, len(batches))
         while True:
             sampler.set_epoch(epoch)
-            for indices in batches:
+            for index, indices in enumerate(batches):
+                if index < skip:
+                    continue
                 x, y = self.train[indices]
-                yield (x if self.transform is None else self.transform(x, generator)), y
-            epoch += 1
+                if self.transform is not None:  # augmentation: its own generator per batch, so a resume can skip
+                    x = self.transform(x, batch_generator(seed, rank, epoch, index))
+                yield x, y
+            epoch, skip = epoch + 1, 0
 
     def eval_batches(self, batch_size: int, rank: int, world: int) -> Iterator[Batch]:
         x, y = (t[rank::world] for t in self.test.tensors)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 
-from decent_train.components.data import Batch, BatchTransform, Datasets, TensorData
+from decent_train.components.data import Batch, BatchTransform, Datasets, TensorData, batch_generator
 
 CIFAR_DIR = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
 CIFAR_SPLITS = {  # (training files, test files)
@@ -179,22 +179,24 @@ class ImageFolderData(Datasets):
             **kwargs,  # type: ignore[arg-type]
         )
 
-    def train_batches(self, batch_size: int, rank: int, world: int, seed: int) -> Iterator[Batch]:
+    def train_batches(self, batch_size: int, rank: int, world: int, seed: int, start: int = 0) -> Iterator[Batch]:
+        """One loader per epoch. A resume inside an epoch reads the rest of that epoch's images in the same order;
+        their random crops differ from an uninterrupted run's, since the decoding processes' random streams restart."""
         sampler = DistributedSampler(self.train, world, rank, shuffle=True, seed=seed, drop_last=True)
-        # The generator seeds the decoding processes' augmentations: deterministic by seed, different per worker.
-        loader = self._loader(
-            self.train, batch_size, sampler=sampler, drop_last=True, generator=torch.Generator().manual_seed(seed * 100_003 + rank)
-        )
-        if len(loader) == 0:
+        per_epoch = len(sampler) // batch_size
+        if per_epoch == 0:
             raise ValueError(
                 f"batch_size={batch_size} is larger than a worker's shard ({len(sampler)} images of {len(self.train)} "
                 f"over {world} workers)"
             )
-        epoch = 0
+        epoch, skip = divmod(start, per_epoch)
         while True:
             sampler.set_epoch(epoch)
-            yield from loader
-            epoch += 1
+            order = list(sampler)[skip * batch_size :]
+            # The generator seeds the decoding processes' augmentations: by seed, different per worker and epoch.
+            generator = batch_generator(seed, rank, epoch, 0)
+            yield from self._loader(self.train, batch_size, sampler=order, drop_last=True, generator=generator)
+            epoch, skip = epoch + 1, 0
 
     def eval_batches(self, batch_size: int, rank: int, world: int) -> Iterator[Batch]:
         yield from self._loader(Subset(self.test, range(rank, len(self.test), world)), batch_size)

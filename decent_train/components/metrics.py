@@ -81,8 +81,12 @@ class MetricLogger:
     """Rank 0's sinks: one JSON object per record in ``metrics.jsonl`` (namespaced keys such as ``train/loss``), and
     the same record to wandb. Other ranks get a logger that does nothing."""
 
-    def __init__(self, path: Path | None, cfg: LoggerConfig, config: dict[str, Any]):
-        """``path``: the JSONL file (wandb writes beside it); None on the ranks that do not log."""
+    def __init__(self, path: Path | None, cfg: LoggerConfig, config: dict[str, Any], resumed_step: int = 0):
+        """``path``: the JSONL file (wandb writes beside it); None on the ranks that do not log. A run resumed from
+        a checkpoint at ``resumed_step`` keeps the records up to it and drops those after (they are measured again)."""
+        if path is not None and resumed_step > 0 and path.exists():
+            kept = [line for line in path.read_text().splitlines() if _record_step(line) <= resumed_step]
+            path.write_text("".join(line + "\n" for line in kept))
         self._file: TextIO | None = path.open("a") if path is not None else None
         self._wandb: Any = None
         if path is not None and cfg.wandb.mode != "disabled":
@@ -144,6 +148,14 @@ def _start_wandb(cfg: WandbConfig, run_dir: Path, config: dict[str, Any]) -> Any
     except Exception as error:  # noqa: BLE001 - wandb must never stop training
         logger.warning(f"wandb could not start ({type(error).__name__}: {error}); metrics go to metrics.jsonl only")
         return None
+
+
+def _record_step(line: str) -> float:
+    """The step of a JSONL record; infinity for a line cut short by a crash (dropped on resume)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 def _fmt(value: Any) -> str:

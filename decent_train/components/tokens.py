@@ -3,6 +3,7 @@ memory-mapped; a sample is a window of ``context_length`` tokens and its targets
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from decent_train.components.data import Batch, Datasets
+from decent_train.components.data import Batch, Datasets, batch_generator
 
 TOKENS_LAYOUT = "ROOT/train.bin and ROOT/val.bin, token ids as flat little-endian uint16 (nanoGPT's format)"
 _VOCAB_CHECK_TOKENS = 1 << 22  # token ids checked against the vocabulary on load: a prefix, not a 10 GB file
@@ -53,7 +54,7 @@ class TokenData(Datasets):
         rows = torch.from_numpy(np.stack([tokens[s : s + self.context_length + 1] for s in starts]).astype(np.int64))
         return rows[:, :-1], rows[:, 1:]
 
-    def train_batches(self, batch_size: int, rank: int, world: int, seed: int) -> Iterator[Batch]:
+    def train_batches(self, batch_size: int, rank: int, world: int, seed: int, start: int = 0) -> Iterator[Batch]:
         n = len(self.train_tokens)
         low, high = rank * n // world, (rank + 1) * n // world  # this worker's shard of the token stream
         last_start = high - self.context_length - 1  # the window and its shifted targets stay inside the shard
@@ -62,9 +63,8 @@ class TokenData(Datasets):
                 f"{self.train_path}: {n} tokens over {world} workers leave {high - low} per worker, fewer than "
                 f"dataset.context_length + 1 = {self.context_length + 1}"
             )
-        generator = torch.Generator().manual_seed(seed * 100_003 + rank)
-        while True:
-            starts = torch.randint(low, last_start + 1, (batch_size,), generator=generator)
+        for index in itertools.count(start):  # each batch's own generator, so a resume can skip
+            starts = torch.randint(low, last_start + 1, (batch_size,), generator=batch_generator(seed, rank, 0, index))
             yield self._windows(self.train_tokens, starts.tolist())
 
     def eval_batches(self, batch_size: int, rank: int, world: int) -> Iterator[Batch]:

@@ -27,6 +27,7 @@ import itertools
 import os
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +43,7 @@ from torch.utils._pytree import tree_flatten
 from decent_train.engine.optim import LRSchedulerFn, OptimFn
 from decent_train.engine.topology import Edge, Topology, get_topology_class
 
-__all__ = ["DecentralizedDataParallel", "OPTIM_FN_TYPE", "LR_SCHEDULER_FN_TYPE"]
+__all__ = ["DecentralizedDataParallel", "ExchangeError", "OPTIM_FN_TYPE", "LR_SCHEDULER_FN_TYPE"]
 
 OPTIM_FN_TYPE = OptimFn
 LR_SCHEDULER_FN_TYPE = LRSchedulerFn
@@ -53,6 +54,10 @@ _SECOND_BACKWARD = (
     "set_accumulate_grad(True) for all but the last micro-batch."
 )
 _ALIGN = 32  # elements: every parameter starts 64-256 bytes aligned inside its bucket
+
+
+class ExchangeError(RuntimeError):
+    """A gossip exchange failed or timed out: a neighbour hangs or died."""
 
 
 @dataclass
@@ -133,6 +138,8 @@ class DecentralizedDataParallel(nn.Module):
         bucket_size_in_mb: target bucket size; 0 gives one bucket per parameter.
         local_world_size: workers per node (topologies such as alternating-exp-ring use it); defaults to
             ``$LOCAL_WORLD_SIZE`` or 1. ``_local_world_size`` is decent-dp's spelling.
+        timeout: seconds an exchange may take before it fails with an error naming the peers (a peer that hangs
+            or died); None waits as long as the process group's own timeout.
     """
 
     FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -150,12 +157,16 @@ class DecentralizedDataParallel(nn.Module):
         bucket_size_in_mb: float = 25,
         local_world_size: int | None = None,
         _local_world_size: int | None = None,
+        timeout: float | None = None,
     ):
         super().__init__()
         if grad_clip_norm < 0:
             raise ValueError(f"grad_clip_norm must be >= 0 (0 disables clipping), got {grad_clip_norm}")
         if bucket_size_in_mb < 0:
             raise ValueError(f"bucket_size_in_mb must be >= 0, got {bucket_size_in_mb}")
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds (or None), got {timeout}")
+        self._timeout = timedelta(seconds=timeout) if timeout is not None else None
         distributed = dist.is_available() and dist.is_initialized()
         self._rank = dist.get_rank() if distributed else 0
         self._world_size = dist.get_world_size() if distributed else 1
@@ -413,8 +424,16 @@ class DecentralizedDataParallel(nn.Module):
         exchange, bucket.pending = bucket.pending, None
         if exchange is not None:
             start = time.perf_counter()
-            for work in exchange.works:
-                work.wait()
+            try:
+                for work in exchange.works:
+                    work.wait() if self._timeout is None else work.wait(self._timeout)
+            except RuntimeError as error:
+                peers = [r for r in exchange.edge.ranks if r != self._rank]
+                limit = f", limit {self._timeout.total_seconds():g} s" if self._timeout is not None else ""
+                raise ExchangeError(
+                    f"rank {self._rank}: the exchange of bucket {bucket.index} with rank(s) {peers} at step "
+                    f"{self._step} failed (a peer hangs or died{limit}): {str(error).splitlines()[0]}"
+                ) from error
             self.comm_wait_seconds += time.perf_counter() - start
         return exchange
 
@@ -507,6 +526,66 @@ class DecentralizedDataParallel(nn.Module):
         if self._global_average.buffers:
             torch._foreach_copy_(self._float_buffers(), self._global_average.buffers)
         self._global_average = None
+
+    # -- checkpoints --------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def engine_state_dict(self) -> dict[str, Any]:
+        """Everything besides the model that training needs to continue exactly: the step, each bucket's optimizer
+        and LR scheduler, the scaler, the adaptive factor, and the exchange in flight. That exchange is completed
+        here and what it delivered is saved, to be mixed in at the next step as it would have been. Call it between
+        steps (not inside ``global_avg(will_revert=True)``); save the model's ``state_dict()`` with it.
+        """
+        if self._global_average is not None:
+            raise RuntimeError("engine_state_dict() inside global_avg(will_revert=True): revert_global_avg() first")
+        buckets = []
+        for bucket in self._buckets:
+            self._wait_keep(bucket)
+            buckets.append(
+                {
+                    "names": list(bucket.names),
+                    "optimizer": bucket.optimizer.state_dict(),
+                    "scheduler": bucket.scheduler.state_dict() if bucket.scheduler is not None else None,
+                    "received": bucket.comm.clone() if bucket.pending is not None else None,
+                }
+            )
+        return {
+            "step": self._step,
+            "world_size": self._world_size,
+            "topology": self._topo.describe(),
+            "adaptive_factor": self._adaptive_factor,
+            "scaler": self._scaler.state_dict() if self._scaler is not None else None,
+            "buckets": buckets,
+        }
+
+    @torch.no_grad()
+    def load_engine_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``engine_state_dict()`` (after loading the model's ``state_dict()`` saved with it)."""
+        if state["world_size"] != self._world_size or state["topology"] != self._topo.describe():
+            raise ValueError(
+                f"the engine state is from {state['world_size']} workers with {state['topology']!r}; this engine has "
+                f"{self._world_size} workers with {self._topo.describe()!r}"
+            )
+        saved_names = [b["names"] for b in state["buckets"]]
+        if saved_names != self.bucket_names:
+            raise ValueError(
+                "the engine state's buckets hold other parameters than this engine's (another model or "
+                "bucket_size_in_mb?)"
+            )
+        self._step = state["step"]
+        self._adaptive_factor = state["adaptive_factor"]
+        if self._scaler is not None and state["scaler"] is not None:
+            self._scaler.load_state_dict(state["scaler"])
+        round_ = self._step % len(self._my_edges)  # the round the last step launched its exchange in
+        for bucket, saved in zip(self._buckets, state["buckets"]):
+            self._wait(bucket)  # nothing may still write into ``comm``
+            bucket.optimizer.load_state_dict(saved["optimizer"])
+            if bucket.scheduler is not None and saved["scheduler"] is not None:
+                bucket.scheduler.load_state_dict(saved["scheduler"])
+            if not self._param_as_bucket_view:
+                torch._foreach_copy_(bucket.views, [p.data for p in bucket.params])
+            if saved["received"] is not None:
+                bucket.comm.copy_(saved["received"])
+                bucket.pending = _Exchange(self._my_edges[round_], [])
 
     # -- accessors ----------------------------------------------------------------------------------------------
     def get_lr(self) -> float:

@@ -166,15 +166,17 @@ class Topology:
         deviation = self.period_matrix() - torch.full((n, n), 1.0 / n, dtype=torch.float64)
         return float(1.0 - torch.linalg.matrix_norm(deviation, ord=2))
 
+    @property
+    def label(self) -> str:
+        """The topology as laid out over nodes, e.g. ``ring: 4 workers (1 nodes x 4)``."""
+        return f"{self.name}: {self._world_size} workers ({self._n_nodes} nodes x {self._local_world_size})"
+
     def describe(self) -> str:
         rounds = "; ".join(
             f"round {r}: " + " ".join("(" + ",".join(map(str, e.ranks)) + ")" for e in edges)
             for r, edges in enumerate(self.rounds)
         )
-        return (
-            f"{self.name}: {self._world_size} workers ({self._n_nodes} nodes x {self._local_world_size}), "
-            f"period {self.period}, spectral gap {self.spectral_gap():.4f}; {rounds}"
-        )
+        return f"{self.label}, period {self.period}, spectral gap {self.spectral_gap():.4f}; {rounds}"
 
     # -- binding to torch.distributed ---------------------------------------------------------------------------
     def create_groups(self) -> None:

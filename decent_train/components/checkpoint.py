@@ -1,0 +1,158 @@
+"""Per-worker checkpoints: in decentralized training every worker holds a different model, so every rank saves its own.
+
+Layout: ``RUN_DIR/checkpoints/step_00000100/rank<k>.pt`` and ``manifest.json``. Each rank writes its file under a
+temporary name and renames it (atomic), hashing it on the way; after every rank has written, rank 0 writes the
+manifest (each file's sha256 and size, the step, the world size and the topology) the same way. A checkpoint without
+a manifest is incomplete and never used. Loading checks every rank's file against the manifest: if any is truncated
+or corrupt, all ranks fall back to the previous complete checkpoint, with a warning naming the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Optional
+
+import torch
+import torch.distributed as dist
+from loguru import logger
+
+CHECKPOINTS = "checkpoints"
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class CheckpointConfig:
+    """``conf/checkpoint/*.yaml``: when to checkpoint and how many to keep."""
+
+    every: int = 1000  # optimizer steps between checkpoints (and one at the end); 0: none at all
+    keep: int = 2  # the newest complete checkpoints kept; older ones are deleted
+
+    def __post_init__(self) -> None:
+        if self.every < 0 or self.keep < 1:
+            raise ValueError(f"checkpoint.every={self.every} must be >= 0 and checkpoint.keep={self.keep} >= 1")
+
+
+@dataclass
+class Checkpoint:
+    """A complete checkpoint on disk: its directory and its manifest."""
+
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    def describe_mismatch(self, world_size: int, topology: str) -> Optional[str]:
+        """Why this checkpoint cannot continue a run of ``world_size`` workers on ``topology`` (None: it can)."""
+        if self.manifest["world_size"] != world_size or self.manifest["topology"] != topology:
+            return (
+                f"{self.path} was written by {self.manifest['world_size']} workers with topology "
+                f"{self.manifest['topology']!r}; this run has {world_size} workers with {topology!r}: resume with the "
+                "same launch.nnodes, launch.nproc_per_node and topology"
+            )
+        return None
+
+
+class _HashingWriter:
+    """A file that hashes what is written to it (the checksum costs no second read)."""
+
+    def __init__(self, file: BinaryIO):
+        self.file, self.sha256, self.size = file, hashlib.sha256(), 0
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        self.size += len(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _write_atomically(path: Path, write: Any) -> tuple[str, int]:
+    """``write(file)`` into ``path`` via a temporary file and a rename; the sha256 and size of what was written."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as raw:
+        writer = _HashingWriter(raw)
+        write(writer)
+        raw.flush()
+        os.fsync(raw.fileno())
+    os.replace(tmp, path)
+    return writer.sha256.hexdigest(), writer.size
+
+
+def complete_checkpoints(run_dir: Path) -> list[Checkpoint]:
+    """The checkpoints of ``run_dir`` that have a manifest, newest first."""
+    found = []
+    for manifest in (run_dir / CHECKPOINTS).glob(f"step_*/{MANIFEST}"):
+        try:
+            found.append(Checkpoint(manifest.parent, json.loads(manifest.read_text())))
+        except (OSError, ValueError):
+            logger.warning(f"{manifest} cannot be read: that checkpoint is skipped")
+    return sorted(found, key=lambda c: c.step, reverse=True)
+
+
+def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], topology: str, keep: int) -> Path:
+    """Every rank saves ``state``; rank 0 then writes the manifest and deletes all but the newest ``keep``.
+
+    Collective: every rank calls it at the same step.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    directory = run_dir / CHECKPOINTS / f"step_{step:08d}"
+    directory.mkdir(parents=True, exist_ok=True)
+    file = directory / f"rank{rank}.pt"
+    sha256, size = _write_atomically(file, lambda f: torch.save(state, f))
+    entries: list[Any] = [None] * world
+    dist.all_gather_object(entries, {"file": file.name, "sha256": sha256, "bytes": size})
+    if rank == 0:
+        manifest = {"step": step, "world_size": world, "topology": topology, "ranks": entries}
+        _write_atomically(directory / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
+        for old in complete_checkpoints(run_dir)[keep:]:
+            shutil.rmtree(old.path, ignore_errors=True)
+        for partial in (run_dir / CHECKPOINTS).glob("step_*"):  # left by a run that died while writing
+            if not (partial / MANIFEST).exists() and partial != directory:
+                shutil.rmtree(partial, ignore_errors=True)
+    dist.barrier()  # nobody goes on (or dies) before the checkpoint is complete
+    return directory
+
+
+def _read_own_file(checkpoint: Checkpoint, rank: int) -> tuple[Optional[dict[str, Any]], str]:
+    """This rank's state from ``checkpoint`` if its checksum matches the manifest; else None and why."""
+    entry = checkpoint.manifest["ranks"][rank]
+    path = checkpoint.path / entry["file"]
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        return None, f"{path} cannot be read ({error.strerror})"
+    if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        return None, f"{path} is truncated or corrupt ({len(data)} bytes, manifest: {entry['bytes']}; checksum differs)"
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False), ""
+
+
+def load_latest_checkpoint(run_dirs: list[Path], topology: str) -> tuple[Optional[Checkpoint], Optional[dict[str, Any]]]:
+    """The newest checkpoint in ``run_dirs`` (in order of preference) that every rank can read, and this rank's state.
+
+    Collective. A checkpoint with a bad file on any rank is skipped on all, with a warning; a checkpoint of another
+    world size or topology is an error (``ValueError``).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for run_dir in run_dirs:
+        for checkpoint in complete_checkpoints(run_dir):
+            mismatch = checkpoint.describe_mismatch(world, topology)
+            if mismatch:
+                raise ValueError(mismatch)
+            state, why = _read_own_file(checkpoint, rank)
+            problems: list[Any] = [None] * world
+            dist.all_gather_object(problems, why)
+            bad = [p for p in problems if p]
+            if not bad:
+                return checkpoint, state
+            if rank == 0:
+                logger.warning(f"checkpoint {checkpoint.path.name} skipped: {'; '.join(bad)}; trying the one before")
+    return None, None
