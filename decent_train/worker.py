@@ -329,10 +329,10 @@ def _check_finite(first_bad_step: torch.Tensor, run_dir: Path) -> None:
     steps = _gather([first_bad_step], first_bad_step.device)[:, 0]
     if steps.max() > 0:
         step = int(steps[steps > 0].min())
-        ranks = [r for r, s in enumerate(steps.tolist()) if s > 0]
+        rank = int((steps == step).nonzero()[0])
         good = complete_checkpoints(run_dir)
         kept = f"the last good checkpoint is {good[0].path}" if good else "no checkpoint was written before it"
-        raise NonFiniteLoss(f"train/loss is NaN or infinite from step {step} on (rank {ranks[0]}); stopped: {kept}")
+        raise NonFiniteLoss(f"train/loss is NaN or infinite from step {step} on (rank {rank}); stopped: {kept}")
 
 
 def _train_loop(job: Job, metrics: MetricLogger, on_record: OnRecord | None) -> dict[str, Any]:

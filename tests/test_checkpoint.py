@@ -181,6 +181,17 @@ def test_restarted_run_ends_with_the_uninterrupted_parameters(uninterrupted: Pat
     assert _measured(tmp_path) == _measured(uninterrupted)  # the same losses, step by step, no duplicate records
 
 
+@pytest.mark.parametrize("algorithm", ["decentralized", "allreduce"])
+def test_fp16_run_resumes_exactly(tmp_path: Path, algorithm: str) -> None:
+    # The GradScaler's scale and growth tracker are part of the state; decentralized: with whole-model clipping.
+    config = {**CHECKPOINTED, "algorithm": algorithm, "precision": "fp16", "grad_clip_norm": 0.5}
+    _run(make_cfg(tmp_path / "whole", **config))
+    _crash_after(tmp_path / "resumed", tmp_path / "whole", 6)
+    assert _run(make_cfg(tmp_path / "resumed", **config))["resumed_from_step"] == 6
+    _same_params(tmp_path / "resumed", tmp_path / "whole")
+    assert _measured(tmp_path / "resumed") == _measured(tmp_path / "whole")
+
+
 def test_resume_from_another_run_dir(uninterrupted: Path, tmp_path: Path) -> None:
     source = tmp_path / "source"
     _crash_after(source, uninterrupted, 6)

@@ -84,6 +84,8 @@ def _check_and_launch(cfg: DictConfig) -> float | None:
         raise ValueError("launch.device=cuda but no CUDA device is visible; valid here: launch.device=cpu")
     if cfg.launch.nproc_per_node is None:  # one worker per GPU
         cfg.launch.nproc_per_node = max(1, torch.cuda.device_count())
+    if cfg.resume:
+        cfg.resume = str(Path(cfg.resume).resolve())  # the workers may start elsewhere (another node's directory)
     if cfg.launch.nnodes > 1 and not cfg.launch.rdzv_endpoint and os.environ.get("SLURM_JOB_ID"):
         # One Hydra job on each node of a SLURM allocation (hydra/launcher=slurm with launch.nnodes > 1).
         cfg.launch.rdzv_endpoint, cfg.launch.rdzv_id = slurm_rendezvous()
