@@ -262,7 +262,7 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_good_checkpoints(tmp_path:
     assert not (tmp_path / "run" / RESULT_FILE).exists()
 
 
-# -- a worker killed mid-run, end to end -----------------------------------------------------------------------------
+# -- a worker killed or hanging mid-run, end to end -----------------------------------------------------------------------------
 def _worker_pids(run_dir: Path) -> dict[int, int]:
     """rank -> pid of this run's worker processes (read from /proc)."""
     found = {}
@@ -281,27 +281,46 @@ def _worker_pids(run_dir: Path) -> dict[int, int]:
     return found
 
 
-def test_worker_killed_mid_run_restarts_and_ends_like_an_uninterrupted_run(tmp_path: Path) -> None:
+def _hang(run_dir: Path, pid: int) -> None:
+    """Freeze a worker until a neighbour's exchange times out (the error is in its log), then let it go on: the agent
+    has asked it to terminate by then."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if "a peer hangs or died" in (run_dir / "logs" / "rank0.log").read_text():
+            break
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGCONT)
+
+
+FAULTS = {"killed": lambda run_dir, pid: os.kill(pid, signal.SIGKILL), "hanging": _hang}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_failed_worker_restarts_and_ends_like_an_uninterrupted_run(tmp_path: Path, fault: str) -> None:
+    """Rank 1 is killed, or hangs until rank 0's exchange times out: the agent restarts both from the checkpoint."""
     job = ["steps=600", "eval_every=0", "logger=jsonl", "logger.progress_bar=false", "logger.consensus_every=0",
-           "checkpoint.every=40", "launch.max_restarts=1", "launch.nproc_per_node=2", "model=mlp"]
-    killed_dir = tmp_path / "killed"
-    proc = subprocess.Popen([str(COMMAND), *job, f"hydra.run.dir={killed_dir}"], cwd=tmp_path,
+           "checkpoint.every=40", "launch.max_restarts=1", "launch.nproc_per_node=2", "model=mlp", "comm_timeout_s=4"]
+    failed_dir = tmp_path / fault
+    proc = subprocess.Popen([str(COMMAND), *job, f"hydra.run.dir={failed_dir}"], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline, victim = time.monotonic() + 120, None
     while time.monotonic() < deadline and proc.poll() is None:
-        if complete_checkpoints(killed_dir):
-            victim = _worker_pids(killed_dir).get(1)
+        if complete_checkpoints(failed_dir):
+            victim = _worker_pids(failed_dir).get(1)
             if victim:
-                os.kill(victim, signal.SIGKILL)
+                FAULTS[fault](failed_dir, victim)
                 break
         time.sleep(0.01)
     stdout, stderr = proc.communicate(timeout=300)
-    assert victim is not None, f"the run ended before a worker could be killed\n{stderr}"
+    assert victim is not None, f"the run ended before a worker could fail\n{stderr}"
     assert proc.returncode == 0, stderr
-    result = json.loads((killed_dir / RESULT_FILE).read_text())
+    result = json.loads((failed_dir / RESULT_FILE).read_text())
     assert 40 <= result["resumed_from_step"] < 600
+    if fault == "hanging":  # it was the exchange's time limit that ended the first attempt
+        assert "failed (a peer hangs or died, limit 4 s)" in (failed_dir / "logs" / "rank0.log").read_text()
 
     clean = decent_train(*job, f"hydra.run.dir={tmp_path / 'clean'}", cwd=tmp_path)
     check_succeeded(clean)
-    _same_params(killed_dir, tmp_path / "clean")
-    assert _measured(killed_dir) == _measured(tmp_path / "clean")
+    _same_params(failed_dir, tmp_path / "clean")
+    assert _measured(failed_dir) == _measured(tmp_path / "clean")
