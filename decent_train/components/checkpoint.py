@@ -10,7 +10,6 @@ or corrupt, all ranks fall back to the previous complete checkpoint, with a warn
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -127,12 +126,16 @@ def _read_own_file(checkpoint: Checkpoint, rank: int) -> tuple[Optional[dict[str
     entry = checkpoint.manifest["ranks"][rank]
     path = checkpoint.path / entry["file"]
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as file:
+            sha256, size = hashlib.sha256(), 0
+            while chunk := file.read(1 << 24):
+                sha256.update(chunk)
+                size += len(chunk)
     except OSError as error:
         return None, f"{path} cannot be read ({error.strerror})"
-    if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        return None, f"{path} is truncated or corrupt ({len(data)} bytes, manifest: {entry['bytes']}; checksum differs)"
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False), ""
+    if size != entry["bytes"] or sha256.hexdigest() != entry["sha256"]:
+        return None, f"{path} is truncated or corrupt ({size} bytes, manifest: {entry['bytes']}; checksum differs)"
+    return torch.load(path, map_location="cpu", weights_only=True), ""
 
 
 def load_latest_checkpoint(run_dirs: list[Path], topology: str) -> tuple[Optional[Checkpoint], Optional[dict[str, Any]]]:
