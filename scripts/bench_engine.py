@@ -2,16 +2,20 @@
 
 Run on CPU with the gloo backend, one torchrun launch, all implementations side by side::
 
-    torchrun --standalone --nproc_per_node=2 scripts/bench_engine.py [--topology ring] [--steps 30] \
-        [--warmup 5] [--repeats 3] [--width 1024] [--depth 4] [--batch 64] [--json out.json]
+    torchrun --standalone --nproc_per_node=2 scripts/bench_engine.py [--topologies ring,complete] [--steps 30] \
+        [--warmup 5] [--repeats 3] [--width 1024] [--depth 4] [--batch 64] [--local-world-size 1] [--json out.json]
 
+``scripts/benchmark.py`` runs it for several worker counts, optionally on a rate-limited network, and draws the chart.
 Every rank builds, from the same seed, an MLP (``depth`` x Linear(width, width)+ReLU, then Linear(width, 10)) for each of
 
 * ``local``: plain model and ``torch.optim.SGD`` after backward, no communication (the ideal limit);
-* ``decent_train``: our DecentralizedDataParallel (optimizer steps inside backward) on ``--topology``;
-* ``decent_dp``: decent-dp 0.2.3's class on the same topology (skipped, with the reason, if it is not installed or the
-  topology cannot serve this world size);
+* ``decent_train/TOPOLOGY``: our DecentralizedDataParallel (optimizer steps inside backward), for each topology;
+* ``decent_dp/TOPOLOGY``: decent-dp 0.2.3's class on the same topologies (skipped, with the reason, if it is not
+  installed or the topology cannot serve this world size);
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` and SGD.
+
+``--local-world-size`` is the workers per node that node-aware topologies (alternating-exp-ring) assume: 1 (the
+default) makes every worker a node, which is what an emulated network with one slow link between all workers models.
 
 All use SGD (lr 0.01, momentum 0.9, no weight decay) on synthetic batches generated per rank before timing. The
 machine is shared and noisy, so the implementations are interleaved: each repeat runs, for each implementation,
@@ -42,7 +46,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 Step = Callable[[Tensor, Tensor], None]
-IMPLS = ("local", "decent_train", "decent_dp", "ddp")
 
 
 def make_mlp(width: int, depth: int, seed: int) -> nn.Module:
@@ -53,7 +56,7 @@ def make_mlp(width: int, depth: int, seed: int) -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
-def build_local(model: nn.Module, topology: str) -> Step:
+def build_local(model: nn.Module, topology: str, local_world_size: int) -> Step:
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     def step(x: Tensor, y: Tensor) -> None:
@@ -64,20 +67,23 @@ def build_local(model: nn.Module, topology: str) -> Step:
     return step
 
 
-def build_ddp(model: nn.Module, topology: str) -> Step:
-    return build_local(nn.parallel.DistributedDataParallel(model), topology)
+def build_ddp(model: nn.Module, topology: str, local_world_size: int) -> Step:
+    return build_local(nn.parallel.DistributedDataParallel(model), topology, local_world_size)
 
 
-def build_decent_train(model: nn.Module, topology: str) -> Step:
-    from decent_train import DecentralizedDataParallel, optim_fn_sgd
+def build_decent_train(model: nn.Module, topology: str, local_world_size: int) -> Step:
+    from decent_train import DecentralizedDataParallel, build_topology, optim_fn_sgd
 
+    build_topology(topology, dist.get_world_size(), local_world_size)  # a ValueError when it cannot serve them
     optim_fn = partial(optim_fn_sgd, lr=0.01, momentum=0.9, weight_decay=0.0)
-    wrapped = DecentralizedDataParallel(model, optim_fn, topology=topology, bucket_size_in_mb=25)
+    wrapped = DecentralizedDataParallel(
+        model, optim_fn, topology=topology, bucket_size_in_mb=25, local_world_size=local_world_size
+    )
     wrapped.train()
     return lambda x, y: F.cross_entropy(wrapped(x), y).backward()
 
 
-def build_decent_dp(model: nn.Module, topology: str) -> Step:
+def build_decent_dp(model: nn.Module, topology: str, local_world_size: int) -> Step:
     from decent_dp.ddp import DecentralizedDataParallel
     from decent_dp.topo import TopologyReg
 
@@ -89,14 +95,33 @@ def build_decent_dp(model: nn.Module, topology: str) -> Step:
     def optim_fn(params: list[tuple[str, Tensor]]) -> torch.optim.Optimizer:
         return torch.optim.SGD([p for _, p in params], lr=0.01, momentum=0.9)
 
-    wrapped = DecentralizedDataParallel(model, optim_fn, topology=topology, bucket_size_in_mb=25)
+    if dist.get_world_size() == 1:
+        raise ValueError("decent-dp cannot run one worker (its exchange needs a peer)")
+    from decent_train import build_topology
+
+    ours = build_topology(topology, dist.get_world_size(), local_world_size)
+    if any(edge.size == 1 for r in range(ours.period) for edge in ours.rounds[r]):
+        raise ValueError(f"{topology} leaves a worker alone in a round here; decent-dp 0.2.3 divides by zero there")
+    wrapped = DecentralizedDataParallel(
+        model, optim_fn, topology=topology, bucket_size_in_mb=25, _local_world_size=local_world_size
+    )
     wrapped.train()
     return lambda x, y: F.cross_entropy(wrapped(x), y).backward()
 
 
-BUILDERS: dict[str, Callable[[nn.Module, str], Step]] = {
+BUILDERS: dict[str, Callable[[nn.Module, str, int], Step]] = {
     "local": build_local, "decent_train": build_decent_train, "decent_dp": build_decent_dp, "ddp": build_ddp,
 }
+
+
+def implementations(topologies: list[str]) -> list[tuple[str, str, str]]:
+    """(name, builder, topology) of every implementation measured, in table order."""
+    return [
+        ("local", "local", ""),
+        *[(f"decent_train/{t}", "decent_train", t) for t in topologies],
+        *[(f"decent_dp/{t}", "decent_dp", t) for t in topologies],
+        ("ddp", "ddp", ""),
+    ]
 
 
 def all_ranks_ok(ok: bool) -> bool:
@@ -120,7 +145,8 @@ def timed_run(step: Step, batches: list[tuple[Tensor, Tensor]], warmup: int, ste
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--topology", default="ring")
+    p.add_argument("--topologies", default="ring", help="comma-separated")
+    p.add_argument("--local-world-size", type=int, default=1, help="workers per node that topologies assume")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
@@ -148,13 +174,13 @@ def main() -> None:
 
     steps: dict[str, Step] = {}
     skipped: dict[str, str] = {}
-    for name in IMPLS:
+    for name, builder, topology in implementations(args.topologies.split(",")):
         model = make_mlp(args.width, args.depth, args.seed)
         reason = ""
         try:
-            steps[name] = BUILDERS[name](model, args.topology)
+            steps[name] = BUILDERS[builder](model, topology, args.local_world_size)
         except (ImportError, ValueError) as exc:
-            if name != "decent_dp":
+            if builder not in ("decent_dp", "decent_train"):
                 raise
             reason = f"{type(exc).__name__}: {exc}"
         if not all_ranks_ok(not reason):
@@ -175,25 +201,32 @@ def main() -> None:
         results = {name: {"samples_per_s": r, "median": med[name], "min": min(r), "max": max(r),
                           "vs_local": med[name] / med["local"], "vs_ddp": med[name] / med["ddp"]}
                    for name, r in rates.items()}
-        ours_vs_dp = med["decent_train"] / med["decent_dp"] if "decent_dp" in med else None
+        ours_vs_dp = {
+            t: med[f"decent_train/{t}"] / med[f"decent_dp/{t}"]
+            for t in args.topologies.split(",")
+            if f"decent_train/{t}" in med and f"decent_dp/{t}" in med
+        }
         versions = f"torch {torch.__version__}"
-        if "decent_dp" in med:
+        if ours_vs_dp:
             versions += f", decent-dp {importlib.metadata.version('decent-dp')}"
+        parameters = sum(p.numel() for p in make_mlp(args.width, args.depth, args.seed).parameters())
         print(f"command: torchrun --nproc_per_node={world} {shlex.join(sys.argv)}")
         print(f"world size {world}, gloo, CPU, {torch.get_num_threads()} thread/worker, {versions}")
-        print(f"MLP width {args.width} depth {args.depth}, batch {args.batch}/rank, topology {args.topology}, "
+        print(f"MLP width {args.width} depth {args.depth} ({parameters / 1e6:.2f}M parameters), batch {args.batch}/rank, "
               f"{args.repeats} x ({args.warmup} warmup + {args.steps} timed) steps")
-        print(f"{'implementation':<14} {'samples/s':>10} {'min':>10} {'max':>10} {'vs local':>9} {'vs ddp':>7}")
+        print(f"{'implementation':<34} {'samples/s':>10} {'min':>10} {'max':>10} {'vs local':>9} {'vs ddp':>7}")
         for name, r in results.items():
-            print(f"{name:<14} {r['median']:>10.1f} {r['min']:>10.1f} {r['max']:>10.1f} "
+            print(f"{name:<34} {r['median']:>10.1f} {r['min']:>10.1f} {r['max']:>10.1f} "
                   f"{r['vs_local']:>9.3f} {r['vs_ddp']:>7.3f}")
         for name, reason in skipped.items():
-            print(f"{name:<14} skipped: {reason}")
-        print(f"decent_train / decent_dp: {ours_vs_dp:.3f}" if ours_vs_dp else "decent_train / decent_dp: n/a")
+            print(f"{name:<34} skipped: {reason}")
+        for t, ratio in ours_vs_dp.items():
+            print(f"decent_train / decent_dp on {t}: {ratio:.3f}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"argv": sys.argv, "world_size": world, "torch": torch.__version__, "args": vars(args),
-                           "results": results, "skipped": skipped, "decent_train_vs_decent_dp": ours_vs_dp}, f, indent=2)
+                           "parameters": parameters, "results": results, "skipped": skipped,
+                           "decent_train_vs_decent_dp": ours_vs_dp}, f, indent=2)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,0 +1,138 @@
+"""Throughput of decent_train against no communication, decent-dp 0.2.3 and torch DDP, for several worker counts,
+optionally on an emulated slow network; a table, a JSON file and a chart.
+
+    python scripts/benchmark.py --workers 1,2,4,8 --out bench/local
+    python scripts/benchmark.py --workers 2,4,8 --rate 4gbit --out bench/4gbit     # root: ip netns + tc
+
+Each worker count is one torchrun launch of ``scripts/bench_engine.py``, which runs every implementation in that one
+launch, interleaved, on the same model and batches (see its docstring). ``--rate`` runs the launch inside a private
+network namespace whose loopback, the only link the workers use, is limited by a token bucket (``tc qdisc ... tbf
+rate R``), optionally with ``--delay`` added (netem): every byte between workers crosses it. That needs root and
+iproute2; without them the command says so and stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from contextlib import contextmanager
+from collections.abc import Iterator
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TOPOLOGIES = "ring,complete,one-peer-exp,alternating-exp-ring"
+
+
+@contextmanager
+def emulated_network(rate: str | None, delay: str | None) -> Iterator[list[str]]:
+    """The command prefix that runs inside a namespace whose loopback is limited to ``rate`` (nothing if None)."""
+    if rate is None:
+        yield []
+        return
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        sys.exit("benchmark.py: --rate needs root and iproute2 (ip, tc) for a network namespace; run without --rate")
+    name = f"decent-bench-{os.getpid()}"
+    commands = [["ip", "netns", "add", name], ["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"]]
+    shaping = ["tbf", "rate", rate, "burst", "1mb", "latency", "100ms"]
+    if delay:  # netem adds the delay, tbf below it limits the rate
+        commands.append(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "handle", "1:",
+                         "netem", "delay", delay])
+        commands.append(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "parent", "1:1", "handle",
+                         "10:", *shaping])
+    else:
+        commands.append(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", *shaping])
+    try:
+        for command in commands:
+            subprocess.run(command, check=True, capture_output=True, text=True)
+        yield ["ip", "netns", "exec", name]
+    except subprocess.CalledProcessError as error:
+        sys.exit(f"benchmark.py: {' '.join(error.cmd)} failed: {error.stderr.strip()}")
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def run_one(prefix: list[str], workers: int, args: argparse.Namespace, out: Path) -> dict:
+    result = out / f"workers{workers}.json"
+    command = [
+        *prefix, sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
+        str(HERE / "bench_engine.py"), f"--topologies={args.topologies}", f"--steps={args.steps}",
+        f"--warmup={args.warmup}", f"--repeats={args.repeats}", f"--width={args.width}", f"--depth={args.depth}",
+        f"--batch={args.batch}", f"--json={result}",
+    ]
+    print(f"$ {' '.join(command)}", flush=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    completed = subprocess.run(command, env=env, capture_output=True, text=True)
+    if completed.returncode != 0:
+        sys.exit(f"benchmark.py: the launch with {workers} workers failed:\n{completed.stderr[-3000:]}")
+    print(completed.stdout, flush=True)
+    return json.loads(result.read_text())
+
+
+def chart(runs: dict[int, dict], title: str, path: Path) -> None:
+    """Throughput relative to the no-communication loop, one group of bars per worker count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(name for run in runs.values() for name in run["results"] if name != "local"))
+    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(names) * len(runs) / 2), 4.5))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        xs = [j + i * width for j, run in enumerate(runs.values()) if name in run["results"]]
+        ys = [run["results"][name]["vs_local"] for run in runs.values() if name in run["results"]]
+        ax.bar(xs, ys, width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(runs))], [f"{n} workers" for n in runs])
+    ax.set_ylabel("samples/s / no-communication loop")
+    ax.set_title(title)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workers", default="1,2,4,8", help="comma-separated worker counts, one launch each")
+    p.add_argument("--rate", default=None, help="emulated link rate for tc, e.g. 4gbit (needs root)")
+    p.add_argument("--delay", default=None, help="with --rate: added one-way delay for netem, e.g. 1ms")
+    p.add_argument("--topologies", default=TOPOLOGIES)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--width", type=int, default=1280)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--out", type=Path, default=Path("bench"))
+    args = p.parse_args()
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs: dict[int, dict] = {}
+    with emulated_network(args.rate, args.delay) as prefix:
+        for workers in [int(w) for w in args.workers.split(",")]:
+            runs[workers] = run_one(prefix, workers, args, args.out)
+    network = f"loopback limited to {args.rate}" + (f", +{args.delay} delay" if args.delay else "") if args.rate else "loopback"
+    summary = {"argv": sys.argv, "network": network, "runs": runs}
+    (args.out / "results.json").write_text(json.dumps(summary, indent=2))
+    parameters = next(iter(runs.values()))["parameters"]
+    chart(runs, f"MLP {parameters / 1e6:.1f}M parameters, gloo on CPU, {network}", args.out / "throughput.png")
+
+    print(f"| implementation | " + " | ".join(f"{n} workers" for n in runs) + " |")
+    print("|---|" + "---|" * len(runs))
+    names = list(dict.fromkeys(name for run in runs.values() for name in run["results"]))
+    for name in names:
+        cells = []
+        for run in runs.values():
+            r = run["results"].get(name)
+            cells.append(f"{r['median']:.0f} ({r['vs_local']:.2f}x local, {r['vs_ddp']:.2f}x DDP)" if r else "skipped")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    print(f"written: {args.out / 'results.json'}, {args.out / 'throughput.png'}")
+
+
+if __name__ == "__main__":
+    main()
