@@ -19,8 +19,8 @@ import os
 import shutil
 import subprocess
 import sys
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -122,7 +122,7 @@ def main() -> None:
     parameters = next(iter(runs.values()))["parameters"]
     chart(runs, f"MLP {parameters / 1e6:.1f}M parameters, gloo on CPU, {network}", args.out / "throughput.png")
 
-    print(f"| implementation | " + " | ".join(f"{n} workers" for n in runs) + " |")
+    print("| implementation | " + " | ".join(f"{n} workers" for n in runs) + " |")
     print("|---|" + "---|" * len(runs))
     names = list(dict.fromkeys(name for run in runs.values() for name in run["results"]))
     for name in names:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from decent_train import DecentralizedDataParallel, lr_scheduler_fn_cosine_with_warmup
 from decent_train.components.checkpoint import complete_checkpoints
 from decent_train.components.data import build_datasets
-from decent_train.config import MODEL_FILE, RESULT_FILE, check_config
+from decent_train.config import MODEL_FILE, RESULT_FILE
 from decent_train.engine.ddp import ExchangeError
 from decent_train.engine.optim import optim_fn_accum_adamw
 

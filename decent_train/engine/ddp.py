@@ -27,8 +27,8 @@ import itertools
 import os
 import time
 from collections.abc import Iterator
-from datetime import timedelta
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
