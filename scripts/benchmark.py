@@ -7,8 +7,10 @@ optionally on an emulated slow network; a table, a JSON file and a chart.
 Each worker count is one torchrun launch of ``scripts/bench_engine.py``, which runs every implementation in that one
 launch, interleaved, on the same model and batches (see its docstring). ``--rate`` runs the launch inside a private
 network namespace whose loopback, the only link the workers use, is limited by a token bucket (``tc qdisc ... tbf
-rate R``), optionally with ``--delay`` added (netem): every byte between workers crosses it. That needs root and
-iproute2; without them the command says so and stops.
+rate R``), optionally with ``--delay`` added (netem): every byte between workers crosses it, so the workers share one
+link. ``--links per-worker`` gives every worker a link of its own instead, as nodes of a cluster have: one namespace
+per worker, joined to a bridge by a veth pair limited to R in each direction, and one torchrun agent per namespace
+(c10d rendezvous at the first). Both need root and iproute2; without them the command says so and stops.
 """
 
 from __future__ import annotations
@@ -55,20 +57,69 @@ def emulated_network(rate: str | None, delay: str | None) -> Iterator[list[str]]
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
-def run_one(prefix: list[str], workers: int, args: argparse.Namespace, out: Path) -> dict:
+@contextmanager
+def per_worker_links(rate: str, workers: int) -> Iterator[list[list[str]]]:
+    """One namespace per worker (address 10.213.0.k+1 on eth0), each linked to a bridge by a veth pair limited to
+    ``rate`` each way; the command prefix of each."""
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        sys.exit("benchmark.py: --links per-worker needs root and iproute2 (ip, tc); run without --rate")
+    tag = f"db{os.getpid()}"
+    switch, names = f"{tag}s", [f"{tag}w{k}" for k in range(workers)]
+    shaping = ["tbf", "rate", rate, "burst", "1mb", "latency", "100ms"]
+    commands = [["ip", "netns", "add", switch], ["ip", "-n", switch, "link", "add", "br0", "type", "bridge"],
+                ["ip", "-n", switch, "link", "set", "br0", "up"]]
+    for k, name in enumerate(names):
+        inside, outside = f"{tag}a{k}", f"{tag}b{k}"
+        commands += [
+            ["ip", "netns", "add", name],
+            ["ip", "link", "add", inside, "netns", name, "type", "veth", "peer", "name", outside, "netns", switch],
+            ["ip", "-n", name, "link", "set", inside, "name", "eth0"],
+            ["ip", "-n", name, "addr", "add", f"10.213.0.{k + 1}/24", "dev", "eth0"],
+            ["ip", "-n", name, "link", "set", "eth0", "up"],
+            ["ip", "-n", name, "link", "set", "lo", "up"],
+            ["ip", "-n", switch, "link", "set", outside, "master", "br0"],
+            ["ip", "-n", switch, "link", "set", outside, "up"],
+            ["tc", "-n", name, "qdisc", "add", "dev", "eth0", "root", *shaping],  # the worker's uplink
+            ["tc", "-n", switch, "qdisc", "add", "dev", outside, "root", *shaping],  # and its downlink
+        ]
+    try:
+        for command in commands:
+            subprocess.run(command, check=True, capture_output=True, text=True)
+        yield [["ip", "netns", "exec", name, "env", "GLOO_SOCKET_IFNAME=eth0"] for name in names]
+    except subprocess.CalledProcessError as error:
+        sys.exit(f"benchmark.py: {' '.join(error.cmd)} failed: {error.stderr.strip()}")
+    finally:
+        for name in [*names, switch]:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def run_one(prefixes: list[list[str]], workers: int, args: argparse.Namespace, out: Path) -> dict:
+    """One launch: a single torchrun agent (one prefix), or one agent per worker, each in its own namespace."""
     result = out / f"workers{workers}.json"
-    command = [
-        *prefix, sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
+    bench = [
         str(HERE / "bench_engine.py"), f"--topologies={args.topologies}", f"--steps={args.steps}",
         f"--warmup={args.warmup}", f"--repeats={args.repeats}", f"--width={args.width}", f"--depth={args.depth}",
         f"--batch={args.batch}", f"--json={result}",
     ]
-    print(f"$ {' '.join(command)}", flush=True)
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    if len(prefixes) == 1:
+        commands = [[*prefixes[0], *torchrun, "--standalone", f"--nproc-per-node={workers}", *bench]]
+    else:
+        commands = [
+            [*prefix, *torchrun, f"--nnodes={workers}", "--nproc-per-node=1", "--rdzv-backend=c10d",
+             "--rdzv-endpoint=10.213.0.1:29500", f"--rdzv-id=bench{os.getpid()}", f"--rdzv-conf=is_host={k == 0}",
+             f"--local-addr=10.213.0.{k + 1}", *bench]
+            for k, prefix in enumerate(prefixes)
+        ]
+    for command in commands:
+        print(f"$ {' '.join(command)}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    completed = subprocess.run(command, env=env, capture_output=True, text=True)
-    if completed.returncode != 0:
-        sys.exit(f"benchmark.py: the launch with {workers} workers failed:\n{completed.stderr[-3000:]}")
-    print(completed.stdout, flush=True)
+    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in commands]
+    outputs = [proc.communicate() for proc in procs]
+    for proc, (_, stderr) in zip(procs, outputs):
+        if proc.returncode != 0:
+            sys.exit(f"benchmark.py: the launch with {workers} workers failed:\n{stderr[-3000:]}")
+    print("".join(stdout for stdout, _ in outputs), flush=True)
     return json.loads(result.read_text())
 
 
@@ -101,6 +152,8 @@ def main() -> None:
     p.add_argument("--workers", default="1,2,4,8", help="comma-separated worker counts, one launch each")
     p.add_argument("--rate", default=None, help="emulated link rate for tc, e.g. 4gbit (needs root)")
     p.add_argument("--delay", default=None, help="with --rate: added one-way delay for netem, e.g. 1ms")
+    p.add_argument("--links", choices=("shared", "per-worker"), default="shared",
+                   help="with --rate: one link shared by all workers, or one per worker")
     p.add_argument("--topologies", default=TOPOLOGIES)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
@@ -113,10 +166,16 @@ def main() -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     runs: dict[int, dict] = {}
-    with emulated_network(args.rate, args.delay) as prefix:
+    if args.rate and args.links == "per-worker":
         for workers in [int(w) for w in args.workers.split(",")]:
-            runs[workers] = run_one(prefix, workers, args, args.out)
-    network = f"loopback limited to {args.rate}" + (f", +{args.delay} delay" if args.delay else "") if args.rate else "loopback"
+            with per_worker_links(args.rate, workers) as prefixes:
+                runs[workers] = run_one(prefixes, workers, args, args.out)
+        network = f"a {args.rate} link per worker"
+    else:
+        with emulated_network(args.rate, args.delay) as prefix:
+            for workers in [int(w) for w in args.workers.split(",")]:
+                runs[workers] = run_one([prefix], workers, args, args.out)
+        network = f"loopback limited to {args.rate}" + (f", +{args.delay} delay" if args.delay else "") if args.rate else "loopback"
     summary = {"argv": sys.argv, "network": network, "runs": runs}
     (args.out / "results.json").write_text(json.dumps(summary, indent=2))
     parameters = next(iter(runs.values()))["parameters"]

@@ -4,6 +4,9 @@ in its results are the ones its own numbers give (speed itself is never asserted
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -49,3 +52,23 @@ def test_benchmark_rate_without_root_says_what_it_needs(tmp_path: Path, monkeypa
     with pytest.raises(SystemExit, match="--rate needs root and iproute2"):
         with benchmark.emulated_network("4gbit", None):
             pass
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+    reason="a network namespace per worker needs root and iproute2",
+)
+def test_benchmark_with_a_link_per_worker(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--workers=2", "--rate=10gbit", "--links=per-worker", "--width=32", "--depth=1",
+         "--batch=8", "--steps=2", "--warmup=1", "--repeats=1", "--topologies=ring", f"--out={out}"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((out / "results.json").read_text())
+    assert summary["network"] == "a 10gbit link per worker"
+    assert {"local", "ddp", "decent_train/ring", "decent_dp/ring"} == set(summary["runs"]["2"]["results"])
+    assert "--rdzv-endpoint=10.213.0.1:29500" in proc.stdout and "--local-addr=10.213.0.2" in proc.stdout
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    assert not [n for n in namespaces if re.fullmatch(r"db\d+(s|w\d+)", n)]  # every namespace it made is gone
