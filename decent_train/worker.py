@@ -304,10 +304,9 @@ def _resume(cfg: TrainConfig, run_dir: Path, algo: Decentralized | AllReduce, de
     return checkpoint.step
 
 
-def _checkpoint(job: Job, step: int, first_bad_step: torch.Tensor) -> float:
-    """Save every worker's state at ``step`` unless a loss was NaN or infinite; the seconds it took."""
+def _checkpoint(job: Job, step: int) -> float:
+    """Save every worker's state at ``step`` (the caller has checked the loss is finite); the seconds it took."""
     start = time.perf_counter()
-    _check_finite(first_bad_step, job.run_dir)  # never save a diverged model
     state = {
         "step": step,
         "model": job.algo.net.state_dict(),
@@ -369,74 +368,72 @@ def _train_loop(job: Job, metrics: MetricLogger, on_record: OnRecord | None) -> 
 
         every = cfg.checkpoint.every
         checkpoint_now = every > 0 and (step % every == 0 or step == total_steps)
-        if checkpoint_now and step == total_steps:  # before the final average replaces the workers' models
-            window_start += _checkpoint(job, step, first_bad_step)  # (checkpoints are not training time)
         evaluate_now = step == total_steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
         consensus_now = cfg.logger.consensus_every > 0 and step % cfg.logger.consensus_every == 0
-        if not (step % cfg.logger.log_every == 0 or evaluate_now or consensus_now):
-            if checkpoint_now and step < total_steps:
-                window_start += _checkpoint(job, step, first_bad_step)
-            continue
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # the window's time includes its queued work
-        _check_finite(first_bad_step, job.run_dir)
-        elapsed = time.perf_counter() - window_start
-        # The record's own cost (the gather below, the consensus all-reduce, the sinks) is training time: it counts in
-        # the next window, so throughput shows what measuring costs. Evaluation does not count (see below).
-        window_start = time.perf_counter()
-        train_seconds += elapsed
-        comm_seconds = (algo.comm_wait_seconds() or 0.0) - comm_start
-        stats = _gather(  # one row per worker
-            [loss_sum, micro_batches, elapsed, data_seconds, comm_seconds, peak_memory_bytes(device), bytes_per_step], device
-        )
-        steps_in_window = micro_batches / cfg.accum_steps
-        loss_total, micro_total, elapsed_w, data_w, comm_w, memory_w, bytes_w = stats.T
-        record = {
-            "step": step,
-            "epoch": step / job.steps_per_epoch,
-            "train/loss": (loss_total.sum() / micro_total.sum()).item(),
-            "train/lr": algo.lr(),
-            "throughput/samples_per_s": world * steps_in_window * samples_per_step / elapsed_w.max().item(),
-            # The slowest worker at its own pace (time blocked on its neighbours removed): exposes a straggler, whom
-            # the others wait for.
-            "throughput/samples_per_s_min_worker": steps_in_window * samples_per_step / (elapsed_w - comm_w).max().item(),
-            "time/step_ms": 1000 * elapsed_w.mean().item() / steps_in_window,
-            "time/data_ms": 1000 * data_w.mean().item() / steps_in_window,
-            "comm/bytes_per_step": bytes_w.mean().item(),
-            "memory/peak_gib": memory_w.max().item() / 2**30,
-            "time/elapsed_s": time.perf_counter() - train_start,
-        }
-        if cfg.dataset.is_tokens:
-            record["throughput/tokens_per_s"] = record["throughput/samples_per_s"] * cfg.dataset.context_length
-        if algo.comm_wait_seconds() is not None:
-            record["time/comm_wait_ms"] = 1000 * comm_w.mean().item() / steps_in_window
-        if consensus_now:
-            record["consensus/distance"], record["consensus/relative"] = consensus_distance(trainable)
-        if on_record is not None:
-            on_record(record, algo.net)
-        if evaluate_now:
-            eval_start = time.perf_counter()
-            if step == total_steps:
-                algo.average()  # the final model is the average of the workers' models
-            with algo.averaged():
-                record.update(evaluate(algo.net, cfg, job.data, device, precision))
-            window_start += time.perf_counter() - eval_start
-        metrics.log(record)
-        bar.set_postfix(
-            {"loss": f"{record['train/loss']:.4f}", "samples/s": f"{record['throughput/samples_per_s']:.0f}"}
-            | ({"acc": f"{record['eval/accuracy']:.4f}"} if "eval/accuracy" in record else {}),
-            refresh=False,
-        )
-        loss_sum.zero_()
-        micro_batches, data_seconds, comm_start = 0, 0.0, algo.comm_wait_seconds() or 0.0
-        if checkpoint_now and step < total_steps:  # after the step's record: a run resumed here logs from the next
-            window_start += _checkpoint(job, step, first_bad_step)
+        record_now = step % cfg.logger.log_every == 0 or evaluate_now or consensus_now
+        if record_now or checkpoint_now:
+            _check_finite(first_bad_step, job.run_dir)  # never log or save a diverged model as if it were fine
+        if record_now:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the window's time includes its queued work
+            elapsed = time.perf_counter() - window_start
+            # The record's own cost (the gather below, the consensus all-reduce, the sinks) is training time: it
+            # counts in the next window, so throughput shows what measuring costs. Evaluation does not count (below).
+            window_start = time.perf_counter()
+            train_seconds += elapsed
+            comm_seconds = (algo.comm_wait_seconds() or 0.0) - comm_start
+            stats = _gather(  # one row per worker
+                [loss_sum, micro_batches, elapsed, data_seconds, comm_seconds, peak_memory_bytes(device), bytes_per_step],
+                device,
+            )
+            steps_in_window = micro_batches / cfg.accum_steps
+            loss_total, micro_total, elapsed_w, data_w, comm_w, memory_w, bytes_w = stats.T
+            record = {
+                "step": step,
+                "epoch": step / job.steps_per_epoch,
+                "train/loss": (loss_total.sum() / micro_total.sum()).item(),
+                "train/lr": algo.lr(),
+                "throughput/samples_per_s": world * steps_in_window * samples_per_step / elapsed_w.max().item(),
+                # The slowest worker at its own pace (time blocked on its neighbours removed): exposes a straggler,
+                # whom the others wait for.
+                "throughput/samples_per_s_min_worker": (
+                    steps_in_window * samples_per_step / (elapsed_w - comm_w).max().item()
+                ),
+                "time/step_ms": 1000 * elapsed_w.mean().item() / steps_in_window,
+                "time/data_ms": 1000 * data_w.mean().item() / steps_in_window,
+                "comm/bytes_per_step": bytes_w.mean().item(),
+                "memory/peak_gib": memory_w.max().item() / 2**30,
+                "time/elapsed_s": time.perf_counter() - train_start,
+            }
+            if cfg.dataset.is_tokens:
+                record["throughput/tokens_per_s"] = record["throughput/samples_per_s"] * cfg.dataset.context_length
+            if algo.comm_wait_seconds() is not None:
+                record["time/comm_wait_ms"] = 1000 * comm_w.mean().item() / steps_in_window
+            if consensus_now:
+                record["consensus/distance"], record["consensus/relative"] = consensus_distance(trainable)
+            if on_record is not None:
+                on_record(record, algo.net)
+            if evaluate_now:
+                eval_start = time.perf_counter()
+                with algo.averaged():
+                    record.update(evaluate(algo.net, cfg, job.data, device, precision))
+                window_start += time.perf_counter() - eval_start
+            metrics.log(record)
+            bar.set_postfix(
+                {"loss": f"{record['train/loss']:.4f}", "samples/s": f"{record['throughput/samples_per_s']:.0f}"}
+                | ({"acc": f"{record['eval/accuracy']:.4f}"} if "eval/accuracy" in record else {}),
+                refresh=False,
+            )
+            loss_sum.zero_()
+            micro_batches, data_seconds, comm_start = 0, 0.0, algo.comm_wait_seconds() or 0.0
+        if checkpoint_now:  # after the step's record: a run resumed here logs from the next step on
+            window_start += _checkpoint(job, step)  # (checkpoints are not training time)
     bar.close()
-    if not record:  # resumed from the final checkpoint: only the final average and its evaluation are left
-        algo.average()
+    if not record:  # resumed from the final checkpoint: only the evaluation of the average is left
         with algo.averaged():
             record = {"train/loss": math.nan, **evaluate(algo.net, cfg, job.data, device, precision)}
         train_seconds = math.inf
+    algo.average()  # the final model is the average of the workers' models
     trained = (total_steps - job.start_step) * samples_per_step * world  # in this run (after a resume: since it)
     return {
         "eval/accuracy": record["eval/accuracy"],

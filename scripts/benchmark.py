@@ -26,7 +26,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-TOPOLOGIES = "ring,complete,one-peer-exp,alternating-exp-ring"
+# bench_engine.py's options as this command sets them by default; any of its options given here come after and win.
+BENCH_DEFAULTS = ["--topologies=ring,complete,one-peer-exp,alternating-exp-ring", "--steps=30", "--warmup=5",
+                  "--repeats=5", "--width=1280", "--depth=4", "--batch=64"]
 
 
 @contextmanager
@@ -93,14 +95,10 @@ def per_worker_links(rate: str, workers: int) -> Iterator[list[list[str]]]:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
-def run_one(prefixes: list[list[str]], workers: int, args: argparse.Namespace, out: Path) -> dict:
+def run_one(prefixes: list[list[str]], workers: int, bench_args: list[str], out: Path) -> dict:
     """One launch: a single torchrun agent (one prefix), or one agent per worker, each in its own namespace."""
     result = out / f"workers{workers}.json"
-    bench = [
-        str(HERE / "bench_engine.py"), f"--topologies={args.topologies}", f"--steps={args.steps}",
-        f"--warmup={args.warmup}", f"--repeats={args.repeats}", f"--width={args.width}", f"--depth={args.depth}",
-        f"--batch={args.batch}", f"--json={result}",
-    ]
+    bench = [str(HERE / "bench_engine.py"), *BENCH_DEFAULTS, *bench_args, f"--json={result}"]
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
     if len(prefixes) == 1:
         commands = [[*prefixes[0], *torchrun, "--standalone", f"--nproc-per-node={workers}", *bench]]
@@ -148,34 +146,32 @@ def chart(runs: dict[int, dict], title: str, path: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="Other options (--topologies, --steps, --warmup, --repeats, --width, --depth, --batch) go to "
+        f"bench_engine.py; defaults here: {' '.join(BENCH_DEFAULTS)}",
+    )
     p.add_argument("--workers", default="1,2,4,8", help="comma-separated worker counts, one launch each")
     p.add_argument("--rate", default=None, help="emulated link rate for tc, e.g. 4gbit (needs root)")
     p.add_argument("--delay", default=None, help="with --rate: added one-way delay for netem, e.g. 1ms")
     p.add_argument("--links", choices=("shared", "per-worker"), default="shared",
                    help="with --rate: one link shared by all workers, or one per worker")
-    p.add_argument("--topologies", default=TOPOLOGIES)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--width", type=int, default=1280)
-    p.add_argument("--depth", type=int, default=4)
-    p.add_argument("--batch", type=int, default=64)
     p.add_argument("--out", type=Path, default=Path("bench"))
-    args = p.parse_args()
+    args, bench_args = p.parse_known_args()
 
     args.out.mkdir(parents=True, exist_ok=True)
     runs: dict[int, dict] = {}
     if args.rate and args.links == "per-worker":
         for workers in [int(w) for w in args.workers.split(",")]:
             with per_worker_links(args.rate, workers) as prefixes:
-                runs[workers] = run_one(prefixes, workers, args, args.out)
+                runs[workers] = run_one(prefixes, workers, bench_args, args.out)
         network = f"a {args.rate} link per worker"
     else:
         with emulated_network(args.rate, args.delay) as prefix:
             for workers in [int(w) for w in args.workers.split(",")]:
-                runs[workers] = run_one([prefix], workers, args, args.out)
-        network = f"loopback limited to {args.rate}" + (f", +{args.delay} delay" if args.delay else "") if args.rate else "loopback"
+                runs[workers] = run_one([prefix], workers, bench_args, args.out)
+        delay = f", +{args.delay} delay" if args.delay else ""
+        network = f"loopback limited to {args.rate}{delay}" if args.rate else "loopback"
     summary = {"argv": sys.argv, "network": network, "runs": runs}
     (args.out / "results.json").write_text(json.dumps(summary, indent=2))
     parameters = next(iter(runs.values()))["parameters"]

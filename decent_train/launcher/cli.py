@@ -91,8 +91,9 @@ def _check_and_launch(cfg: DictConfig) -> float | None:
         cfg.launch.rdzv_endpoint, cfg.launch.rdzv_id = slurm_rendezvous()
     train_cfg = check_config(cfg)
     config_path = run_dir / RESOLVED_CONFIG
-    # What the workers run: the dry run's file too, so the command it prints trains this job.
-    OmegaConf.save(OmegaConf.structured(dataclasses.replace(train_cfg, dry_run=False)), config_path)
+    resolved = OmegaConf.structured(train_cfg)
+    resolved.dry_run = False  # what the workers run: the dry run's file too, so the command it prints trains this job
+    OmegaConf.save(resolved, config_path)
 
     if train_cfg.dry_run:
         _print_dry_run(train_cfg, config_path)
