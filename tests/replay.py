@@ -5,6 +5,11 @@ Replay of n workers, optimizer step s = 0, 1, ...:
     x_i  <- sum_j W(s)_ij x_j^s                     # W(s): the topology's round s mod period, as a dense matrix
     x_i  <- optimizer_i.step(g_i)                   # the local update
 It knows nothing of buckets, hooks, process groups or exchanges.
+
+Schedules: from a phase's first step its rounds count from 0; an all-reduce phase first replaces every worker's
+parameters and optimizer state tensors by their means, then each step averages the workers' gradients and mixes
+nothing. With
+``global_avg_every=k`` the parameters are replaced by their mean after every gossip step s with (s + 1) % k == 0.
 """
 
 from __future__ import annotations
@@ -49,42 +54,77 @@ def replay(
     grad_clip_norm: float = 0.0,
     adaptive_factor: float = 1.0,
     average_before_step: int | None = None,
+    phases: dict[int, Topology | None] | None = None,
+    global_avg_every: int = 0,
 ) -> list[dict[str, Tensor]]:
     """Each worker's parameters after ``steps`` optimizer steps.
 
     ``average_before_step=k`` replaces every worker's parameters by the global average just before step k's forward
-    (what ``global_avg(will_revert=False)`` does).
+    (what ``global_avg(will_revert=False)`` does). ``phases`` maps a step to the topology used from it on (None:
+    all-reduce).
     """
     n = topology.world_size
     models = [copy.deepcopy(model_fn(SEED)) for _ in range(n)]  # rank 0's init
     optimizers = [optim_fn(list(m.named_parameters())) for m in models]
     schedulers = [lr_scheduler_fn(o) if lr_scheduler_fn else None for o in optimizers]
     names = [name for name, _ in models[0].named_parameters()]
+
+    def params(name: str) -> list[Tensor]:
+        return [dict(m.named_parameters())[name] for m in models]
+
+    @torch.no_grad()
+    def average() -> None:
+        for name in names:
+            mean = torch.stack(params(name)).mean(0)
+            for p in params(name):
+                p.copy_(mean)
+
+    @torch.no_grad()
+    def average_optimizer_states() -> None:
+        for name in names:
+            states = [o.state[p] for o, p in zip(optimizers, params(name))]
+            for key, value in states[0].items():
+                if isinstance(value, Tensor) and value.is_floating_point():
+                    mean = torch.stack([state[key] for state in states]).mean(0)
+                    for state in states:
+                        state[key].copy_(mean)
+
+    current, start = topology, 0
     for s in range(steps):
+        if phases and s in phases:
+            current, start = phases[s], s
+            if current is None:
+                average()
+                average_optimizer_states()
         if s == average_before_step:
-            with torch.no_grad():
-                for name in names:
-                    mean = torch.stack([dict(m.named_parameters())[name] for m in models]).mean(0)
-                    for m in models:
-                        dict(m.named_parameters())[name].copy_(mean)
+            average()
         for i, m in enumerate(models):
             m.zero_grad(set_to_none=True)
             for micro in range(micro_batches):
                 loss(m, i, s, micro).backward()
+        if current is None:  # all-reduce: every worker steps on the mean gradient
+            for name in names:
+                mean = torch.stack([p.grad for p in params(name)]).mean(0)
+                for p in params(name):
+                    p.grad = mean.clone()
+        for m in models:
             if grad_clip_norm > 0:
                 torch.nn.utils.clip_grad_norm_(m.parameters(), grad_clip_norm)
-        w = topology.mixing_matrix(s)
-        mixed = w * adaptive_factor + torch.eye(n, dtype=torch.float64) * (1 - adaptive_factor)
-        with torch.no_grad():
-            for name in names:
-                stacked = torch.stack([dict(m.named_parameters())[name] for m in models])
-                new = torch.einsum("ij,j...->i...", mixed.to(stacked.dtype), stacked)
-                for i, m in enumerate(models):
-                    dict(m.named_parameters())[name].copy_(new[i])
+        if current is not None:
+            w = current.mixing_matrix(s - start)
+            mixed = w * adaptive_factor + torch.eye(n, dtype=torch.float64) * (1 - adaptive_factor)
+            with torch.no_grad():
+                for name in names:
+                    stacked = torch.stack(params(name))
+                    new = torch.einsum("ij,j...->i...", mixed.to(stacked.dtype), stacked)
+                    for i, p in enumerate(params(name)):
+                        p.copy_(new[i])
         for o, sch in zip(optimizers, schedulers):
             o.step()
             if sch is not None:
                 sch.step()
+        if global_avg_every and (s + 1) % global_avg_every == 0 and current is not None:
+            average()
     return [snapshot(m) for m in models]
 
 
@@ -113,14 +153,18 @@ def train_engine(
     micro_batches: int = 1,
     average_before_step: int | None = None,
     adaptive_factor: float = 1.0,
+    phases: dict[int, str] | None = None,
     **engine_kwargs: Any,
 ) -> dict[str, Any]:
-    """One worker's training run through the engine; the same inputs as :func:`replay`."""
+    """One worker's training run through the engine; the same inputs as :func:`replay` (``phases`` by name, with
+    "allreduce")."""
     model = model_fn(SEED + rank)  # a different init on every rank: the engine must start all from rank 0's
     engine_kwargs.setdefault("bucket_size_in_mb", 0.0005)  # several buckets for this small model
     ddp = DecentralizedDataParallel(model, optim_fn, lr_scheduler_fn, topology=topology, **engine_kwargs)
     ddp.set_adaptive_factor(adaptive_factor)
     for s in range(steps):
+        if phases and s in phases:
+            ddp.switch_to(phases[s])
         if s == average_before_step:
             ddp.global_avg(will_revert=False)
         for micro in range(micro_batches):

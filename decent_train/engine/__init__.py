@@ -1,6 +1,6 @@
 """The engine: DecentralizedDataParallel, its topologies and optimizers."""
 
-from decent_train.engine.ddp import LR_SCHEDULER_FN_TYPE, OPTIM_FN_TYPE, DecentralizedDataParallel
+from decent_train.engine.ddp import ALLREDUCE, LR_SCHEDULER_FN_TYPE, OPTIM_FN_TYPE, DecentralizedDataParallel, ExchangeError
 from decent_train.engine.optim import (
     AccumAdam,
     AccumAdamW,
@@ -23,7 +23,9 @@ from decent_train.engine.topology import (
 from decent_train.engine.utils import initialize_dist
 
 __all__ = [
+    "ALLREDUCE",
     "DecentralizedDataParallel",
+    "ExchangeError",
     "OPTIM_FN_TYPE",
     "LR_SCHEDULER_FN_TYPE",
     "AccumAdam",

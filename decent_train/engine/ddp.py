@@ -23,6 +23,7 @@ so steps move to the end of backward; the exchange still overlaps the next forwa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import os
 import time
@@ -43,7 +44,7 @@ from torch.utils._pytree import tree_flatten
 from decent_train.engine.optim import LRSchedulerFn, OptimFn
 from decent_train.engine.topology import Edge, Topology, get_topology_class
 
-__all__ = ["DecentralizedDataParallel", "ExchangeError", "OPTIM_FN_TYPE", "LR_SCHEDULER_FN_TYPE"]
+__all__ = ["ALLREDUCE", "DecentralizedDataParallel", "ExchangeError", "OPTIM_FN_TYPE", "LR_SCHEDULER_FN_TYPE"]
 
 OPTIM_FN_TYPE = OptimFn
 LR_SCHEDULER_FN_TYPE = LRSchedulerFn
@@ -60,11 +61,40 @@ class ExchangeError(RuntimeError):
     """A gossip exchange failed or timed out: a neighbour hangs or died."""
 
 
+ALLREDUCE = "allreduce"
+"""The engine's other mode (``topology="allreduce"``, ``switch_to("allreduce")``): each bucket's gradients are averaged
+over all workers, then the bucket steps, so the workers stay equal (torch DDP's algorithm)."""
+
+
+@dataclass
+class _Phase:
+    """What the engine does from step ``start`` on: gossip over ``topology`` with rounds counted from ``start``, or
+    (``topology`` None) all-reduce the gradients."""
+
+    topology: Topology | None
+    start: int
+    my_stages: list[list[Edge]]  # gossip: this worker's group in each stage of each round
+
+    @property
+    def allreduce(self) -> bool:
+        return self.topology is None
+
+    @property
+    def label(self) -> str:
+        return ALLREDUCE if self.topology is None else self.topology.describe()
+
+    def round_of(self, step: int) -> int:
+        return (step - self.start) % len(self.my_stages)
+
+
 @dataclass
 class _Exchange:
-    """An exchange in flight: the group it was launched in and the handles to wait on."""
+    """A gossip exchange in flight: the stages of its round, the one in flight (``async_stage``), the tensor that
+    stage sends (the parameters, or the result of the stages before it) and the handles to wait on."""
 
-    edge: Edge
+    stages: list[Edge]
+    async_stage: int
+    value: Tensor
     works: list[Any]
 
 
@@ -73,7 +103,9 @@ class _Bucket:
     """Parameters of one dtype and device that mix, step and exchange together.
 
     ``flat`` holds the parameter values (the parameters are views of it with ``param_as_bucket_view``; otherwise it is
-    a staging copy). ``comm`` receives the neighbours' values.
+    a staging copy). ``comm`` receives the neighbours' values. ``staged`` (rounds of several stages) holds the result of
+    the stages done so far; ``grads`` (all-reduce mode) the gradients being averaged. Both are allocated when first
+    needed.
     """
 
     index: int
@@ -86,6 +118,9 @@ class _Bucket:
     scheduler: LRScheduler | None
     pending: _Exchange | None = None
     ready: int = 0  # parameters whose gradient arrived in this backward
+    staged: Tensor | None = None
+    grads: Tensor | None = None
+    gradient_works: list[Any] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
@@ -93,6 +128,17 @@ class _Bucket:
 
     def has_grads(self) -> bool:
         return any(p.grad is not None for p in self.params)
+
+    def staging(self) -> Tensor:
+        if self.staged is None:
+            self.staged = torch.empty_like(self.flat)
+        return self.staged
+
+    def gradient_views(self) -> list[Tensor]:
+        """Each parameter's slice of ``grads``, laid out like the parameter."""
+        if self.grads is None:
+            self.grads = torch.zeros_like(self.flat)
+        return [_slice_like(self.grads, view.storage_offset(), view) for view in self.views]
 
 
 @dataclass
@@ -158,6 +204,7 @@ class DecentralizedDataParallel(nn.Module):
         local_world_size: int | None = None,
         _local_world_size: int | None = None,
         timeout: float | None = None,
+        global_avg_every: int = 0,
     ):
         super().__init__()
         if grad_clip_norm < 0:
@@ -166,6 +213,9 @@ class DecentralizedDataParallel(nn.Module):
             raise ValueError(f"bucket_size_in_mb must be >= 0, got {bucket_size_in_mb}")
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds (or None), got {timeout}")
+        if global_avg_every < 0:
+            raise ValueError(f"global_avg_every must be >= 0 (0 disables), got {global_avg_every}")
+        self._global_avg_every = int(global_avg_every)
         self._timeout = timedelta(seconds=timeout) if timeout is not None else None
         distributed = dist.is_available() and dist.is_initialized()
         self._rank = dist.get_rank() if distributed else 0
@@ -175,8 +225,8 @@ class DecentralizedDataParallel(nn.Module):
         if distributed and dist.get_backend() == "nccl" and next(model.parameters()).device.type == "cpu":
             model = model.to(torch.device("cuda", torch.cuda.current_device()))
         self.module = model
-        self._topo = self._build_topology(topology, local_world_size)
-        self._my_edges = [self._topo.edge(r, self._rank) for r in range(self._topo.period)]  # my group per round
+        self._local_world_size = local_world_size
+        self._topologies: dict[Any, Topology] = {}  # by name, class or id: process groups are created once each
         self._scaler = scaler
         self._grad_clip_norm = float(grad_clip_norm)
         self._param_as_bucket_view = param_as_bucket_view
@@ -200,22 +250,37 @@ class DecentralizedDataParallel(nn.Module):
         for bucket in self._buckets:
             for param in bucket.params:
                 param.register_post_accumulate_grad_hook(lambda p, b=bucket: self._on_grad_ready(b, p))
-        if self._world_size > 1:
-            self._topo.create_groups()
+        self._phase = self._make_phase(topology, start=0)
         if self._rank == 0:
             sizes = ", ".join(f"{nbytes / 2**20:.2f}" for nbytes in self.bucket_bytes)
-            logger.debug(f"DecentralizedDataParallel: {self._topo.describe()}; {len(self._buckets)} buckets, MB: {sizes}")
+            logger.debug(f"DecentralizedDataParallel: {self._phase.label}; {len(self._buckets)} buckets, MB: {sizes}")
 
     # -- construction -------------------------------------------------------------------------------------------
-    def _build_topology(self, topology: str | Topology | type[Topology], local_world_size: int) -> Topology:
-        if isinstance(topology, Topology):
-            if topology.world_size != self._world_size:
-                raise ValueError(
-                    f"topology built for {topology.world_size} workers, but the world has {self._world_size}"
-                )
-            return topology
-        cls = topology if isinstance(topology, type) else get_topology_class(topology)
-        return cls(local_world_size=local_world_size, world_size=self._world_size, rank=self._rank)
+    def _make_phase(self, topology: str | Topology | type[Topology], start: int) -> _Phase:
+        """Gossip over ``topology`` (built and its process groups created, a collective) or all-reduce."""
+        if isinstance(topology, str) and topology == ALLREDUCE:
+            return _Phase(None, start, [])
+        key = topology if isinstance(topology, (str, type)) else id(topology)
+        if key in self._topologies:  # built, and its process groups created, by an earlier phase
+            topology = self._topologies[key]
+        else:
+            if isinstance(topology, Topology):
+                if topology.world_size != self._world_size:
+                    raise ValueError(
+                        f"topology built for {topology.world_size} workers, but the world has {self._world_size}"
+                    )
+            else:
+                cls = topology if isinstance(topology, type) else get_topology_class(topology)
+                topology = cls(local_world_size=self._local_world_size, world_size=self._world_size, rank=self._rank)
+            if self._world_size > 1:
+                topology.create_groups()
+            self._topologies[key] = topology
+        if topology.is_staged and any(hasattr(b.optimizer, "pre_average_hook") for b in self._buckets):
+            raise ValueError(
+                f"topology '{topology.name}' has rounds of several stages; an optimizer with decent-dp's "
+                "pre_average_hook supports only one-stage rounds"
+            )
+        return _Phase(topology, start, [topology.edges(r, self._rank) for r in range(topology.period)])
 
     def _check_same_model_everywhere(self) -> None:
         if self._world_size == 1:
@@ -348,19 +413,31 @@ class DecentralizedDataParallel(nn.Module):
         if not self._backward_started:
             self._backward_started = True
             Variable._execution_engine.queue_callback(self._finish_backward)
-        if not self._defer_steps:
-            while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].complete:
-                self._process(self._buckets[self._next_bucket])
-                self._next_bucket += 1
+        while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].complete:
+            self._on_bucket_ready(self._buckets[self._next_bucket])
+            self._next_bucket += 1
+
+    def _on_bucket_ready(self, bucket: _Bucket) -> None:
+        """A bucket's gradients are all there (buckets come strictly in index order, the same on every rank)."""
+        if self._phase.allreduce:
+            self._launch_gradient_average(bucket)
+        elif not self._defer_steps:
+            self._process(bucket)
 
     @torch.no_grad()
     def _finish_backward(self) -> None:
-        """End of backward: step what is left (all buckets when steps are deferred), then advance the step."""
-        remaining = self._buckets[self._next_bucket :]
-        if self._defer_steps:
-            self._prepare_deferred_steps()
-        for bucket in remaining:
-            self._process(bucket)
+        """End of backward: the buckets left (unused parameters), the steps that wait for every gradient (all of them
+        in all-reduce mode or when steps are deferred), then the next step."""
+        for bucket in self._buckets[self._next_bucket :]:
+            self._on_bucket_ready(bucket)
+        if self._phase.allreduce:
+            for bucket in self._buckets:
+                self._finish_gradient_average(bucket)
+        if self._phase.allreduce or self._defer_steps:
+            if self._defer_steps:
+                self._prepare_deferred_steps()
+            for bucket in self._buckets:
+                self._step_bucket(bucket) if self._phase.allreduce else self._process(bucket)
         if self._scaler is not None:
             self._scaler.update()
         for bucket in self._buckets:
@@ -369,6 +446,8 @@ class DecentralizedDataParallel(nn.Module):
         self._next_bucket = 0
         self._armed = self._backward_started = False
         self._step += 1
+        if self._global_avg_every and not self._phase.allreduce and self._step % self._global_avg_every == 0:
+            self.global_avg(will_revert=False)
 
     def _prepare_deferred_steps(self) -> None:
         """Unscale, agree on overflow across all workers, and clip by the whole model's gradient norm."""
@@ -389,8 +468,13 @@ class DecentralizedDataParallel(nn.Module):
 
     @torch.no_grad()
     def _process(self, bucket: _Bucket) -> None:
-        """Mix with the neighbours' x^s, take the local step, launch the exchange of x^{s+1}."""
+        """Gossip: mix with the neighbours' x^s, take the local step, launch the exchange of x^{s+1}."""
         self._mix(bucket)
+        self._step_bucket(bucket)
+        round_ = self._phase.round_of(self._step + 1)
+        self._launch(bucket, self._phase.my_stages[round_], self._phase.topology.async_stage(round_))
+
+    def _step_bucket(self, bucket: _Bucket) -> None:
         if self._scaler is not None:
             if bucket.has_grads():
                 self._scaler.step(bucket.optimizer)
@@ -399,70 +483,146 @@ class DecentralizedDataParallel(nn.Module):
         bucket.optimizer.zero_grad(set_to_none=True)
         if bucket.scheduler is not None:
             bucket.scheduler.step()
-        self._launch(bucket, self._my_edges[(self._step + 1) % len(self._my_edges)])
+
+    # -- all-reduce mode ----------------------------------------------------------------------------------------
+    def _launch_gradient_average(self, bucket: _Bucket) -> None:
+        """Copy the bucket's gradients into one buffer (zeros for a parameter without one) and start its sum."""
+        if self._world_size == 1:
+            return
+        views = bucket.gradient_views()
+        with torch.no_grad():
+            for param, view in zip(bucket.params, views):
+                view.copy_(param.grad) if param.grad is not None else view.zero_()
+            bucket.grads.div_(self._world_size)
+        bucket.gradient_works = [dist.all_reduce(bucket.grads, async_op=True)]
+
+    def _finish_gradient_average(self, bucket: _Bucket) -> None:
+        """Wait for the bucket's gradient sum; its slices become the parameters' gradients."""
+        if self._world_size == 1:
+            return
+        works, bucket.gradient_works = bucket.gradient_works, []
+        self._wait_works(works, bucket, list(range(self._world_size)), "gradient all-reduce")
+        for param, view in zip(bucket.params, bucket.gradient_views()):
+            param.grad = view
 
     # -- the exchange -------------------------------------------------------------------------------------------
-    def _launch(self, bucket: _Bucket, edge: Edge) -> None:
-        if edge.size == 1:
+    def _launch(self, bucket: _Bucket, stages: list[Edge], async_stage: int) -> None:
+        """Start the exchange of x^{s+1}: the stages before ``async_stage`` now, that one in the background."""
+        if all(edge.size == 1 for edge in stages):
             return
         if not self._param_as_bucket_view:
             torch._foreach_copy_(bucket.views, [p.data for p in bucket.params])
+        value = bucket.flat
+        for edge in stages[:async_stage]:
+            works = self._start_stage(bucket, edge, value)
+            self._wait_works(works, bucket, edge.ranks, "exchange")
+            value = self._finish_stage(bucket, edge, value)
+        edge = stages[async_stage]
+        bucket.pending = _Exchange(stages, async_stage, value, self._start_stage(bucket, edge, value))
+
+    def _start_stage(self, bucket: _Bucket, edge: Edge, value: Tensor) -> list[Any]:
+        """Send ``value`` to the group; a pair receives the peer's value into ``comm``, a group the sum over it."""
+        if edge.size == 1:
+            return []
         if edge.size == 2:
             peer = edge.ranks[0] if edge.ranks[1] == self._rank else edge.ranks[1]
-            works = dist.batch_isend_irecv(
+            return dist.batch_isend_irecv(
                 [
-                    dist.P2POp(dist.isend, bucket.flat, peer, tag=bucket.index),
+                    dist.P2POp(dist.isend, value, peer, tag=bucket.index),
                     dist.P2POp(dist.irecv, bucket.comm, peer, tag=bucket.index),
                 ]
             )
+        bucket.comm.copy_(value)
+        return [dist.all_reduce(bucket.comm, group=edge.group, async_op=True)]
+
+    @staticmethod
+    def _stage_coefficients(edge: Edge) -> tuple[float, float]:
+        """(a, b) with the stage's result ``a * value + b * comm`` (see ``_start_stage`` for what comm holds)."""
+        if edge.size == 1:
+            return 1.0, 0.0
+        if edge.size == 2:
+            return edge.weight, 1.0 - edge.weight
+        neighbor = 1.0 / edge.size if edge.is_uniform else edge.neighbor_weight
+        return (0.0 if edge.is_uniform else edge.weight - neighbor), neighbor
+
+    def _finish_stage(self, bucket: _Bucket, edge: Edge, value: Tensor) -> Tensor:
+        """A stage's result, into ``staged`` (the parameters themselves change only at the mix)."""
+        if edge.size == 1:
+            return value
+        own, other = self._stage_coefficients(edge)
+        out = bucket.staging()
+        if value is out:
+            out.mul_(own).add_(bucket.comm, alpha=other)
         else:
-            bucket.comm.copy_(bucket.flat)
-            works = [dist.all_reduce(bucket.comm, group=edge.group, async_op=True)]
-        bucket.pending = _Exchange(edge, works)
+            torch.mul(bucket.comm, other, out=out).add_(value, alpha=own)
+        return out
 
     def _wait(self, bucket: _Bucket) -> _Exchange | None:
         exchange, bucket.pending = bucket.pending, None
         if exchange is not None:
-            start = time.perf_counter()
-            try:
-                for work in exchange.works:
-                    work.wait() if self._timeout is None else work.wait(self._timeout)
-            except RuntimeError as error:
-                peers = [r for r in exchange.edge.ranks if r != self._rank]
-                limit = f", limit {self._timeout.total_seconds():g} s" if self._timeout is not None else ""
-                raise ExchangeError(
-                    f"rank {self._rank}: the exchange of bucket {bucket.index} with rank(s) {peers} at step "
-                    f"{self._step} failed (a peer hangs or died{limit}): {str(error).splitlines()[0]}"
-                ) from error
-            self.comm_wait_seconds += time.perf_counter() - start
+            edge = exchange.stages[exchange.async_stage]
+            self._wait_works(exchange.works, bucket, edge.ranks, "exchange")
         return exchange
 
-    def _mix(self, bucket: _Bucket) -> None:
-        """x <- (1 - a) x + a (W x), a being the adaptive factor, from what the exchange delivered into ``comm``.
+    def _wait_works(self, works: list[Any], bucket: _Bucket, ranks: list[int], what: str) -> None:
+        start = time.perf_counter()
+        try:
+            for work in works:
+                work.wait() if self._timeout is None else work.wait(self._timeout)
+        except RuntimeError as error:
+            peers = [r for r in ranks if r != self._rank]
+            limit = f", limit {self._timeout.total_seconds():g} s" if self._timeout is not None else ""
+            raise ExchangeError(
+                f"rank {self._rank}: the {what} of bucket {bucket.index} with rank(s) {peers} at step "
+                f"{self._step} failed (a peer hangs or died{limit}): {str(error).splitlines()[0]}"
+            ) from error
+        self.comm_wait_seconds += time.perf_counter() - start
 
-        A pair delivers the peer's x_j; a larger group delivers the sum over the group (own x included).
-        """
+    def _mix(self, bucket: _Bucket) -> None:
+        """x <- (1 - a) x + a (W x), a being the adaptive factor: finish the exchange in flight, run the stages after
+        it, and combine. One-stage rounds combine straight from ``comm`` (no extra pass over memory)."""
         exchange = self._wait(bucket)
         if exchange is None:
             return
-        edge, alpha = exchange.edge, self._adaptive_factor
-        neighbor = 1.0 / edge.size if edge.is_uniform else edge.neighbor_weight
-        own_excess = 0.0 if edge.is_uniform else edge.weight - neighbor  # weight of x_i beyond the sum's share
-        if hasattr(bucket.optimizer, "pre_average_hook"):
+        stages, k, value = exchange.stages, exchange.async_stage, exchange.value
+        alpha, edge = self._adaptive_factor, stages[k]
+        for edge in stages[k + 1 :]:  # the stages after the one in flight: first finish that, then run each
+            value = self._finish_stage(bucket, stages[k], value)
+            works = self._start_stage(bucket, edge, value)
+            self._wait_works(works, bucket, edge.ranks, "exchange")
+            k += 1
+        own, other = self._stage_coefficients(edge)  # x_new = (1-alpha) x + alpha (own value + other comm)
+        if hasattr(bucket.optimizer, "pre_average_hook"):  # one-stage rounds only (checked when the phase starts)
             # decent-dp's contract: comm_buffer holds neighbor * (sum over the group) when the hook runs.
+            neighbor = 1.0 / edge.size if edge.is_uniform else edge.neighbor_weight
             if edge.size == 2:
                 bucket.comm.add_(bucket.flat)
             bucket.comm.mul_(neighbor)
             bucket.optimizer.pre_average_hook(edge, edge.weight)
-            own, other = 1.0 - alpha + alpha * own_excess, alpha
-        elif edge.size == 2:
-            own, other = 1.0 - alpha * (1.0 - edge.weight), alpha * (1.0 - edge.weight)
+            own_excess = 0.0 if edge.is_uniform else edge.weight - neighbor
+            self._write_mix(bucket, bucket.flat, 1.0 - alpha + alpha * own_excess, alpha)
+        elif value is bucket.flat:
+            self._write_mix(bucket, None, 1.0 - alpha + alpha * own, alpha * other)
         else:
-            own, other = 1.0 - alpha + alpha * own_excess, alpha * neighbor
-        if own == 0.0:
-            torch.mul(bucket.comm, other, out=bucket.flat)
+            self._write_mix(bucket, value, alpha * own, alpha * other, keep=1.0 - alpha)
+
+    def _write_mix(
+        self, bucket: _Bucket, value: Tensor | None, own: float, other: float, keep: float | None = None
+    ) -> None:
+        """flat <- own * flat + other * comm, or with a staged ``value``: keep * flat + own * value + other * comm;
+        then into the parameters (when they are not views of flat). Zero terms are skipped."""
+        flat = bucket.flat
+        if value is None or value is flat:
+            if own == 0.0:
+                torch.mul(bucket.comm, other, out=flat)
+            elif own != 1.0 or other != 0.0:
+                flat.mul_(own)
+                if other != 0.0:
+                    flat.add_(bucket.comm, alpha=other)
         else:
-            bucket.flat.mul_(own).add_(bucket.comm, alpha=other)
+            torch.mul(value, own, out=flat) if keep == 0.0 else flat.mul_(keep).add_(value, alpha=own)
+            if other != 0.0:
+                flat.add_(bucket.comm, alpha=other)
         if not self._param_as_bucket_view:
             torch._foreach_copy_([p.data for p in bucket.params], bucket.views)
 
@@ -471,6 +631,44 @@ class DecentralizedDataParallel(nn.Module):
         for bucket in self._buckets:
             self._wait(bucket)
         self._global_average = None
+
+    # -- schedules ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def switch_to(self, topology: str | Topology | type[Topology]) -> None:
+        """From the next step on, gossip over ``topology`` (rounds counted from that step) or, with ``"allreduce"``,
+        average the gradients. Call it between steps, on every worker in the same order (it may create process
+        groups). Optimizers and schedulers carry over.
+
+        Exchanges in flight are drained and dropped. Entering all-reduce replaces every worker's parameters and
+        floating-point optimizer state (momentum, Adam's moments) by their averages, so the workers stay equal from
+        then on. Entering gossip starts the new topology's first exchange: the next step mixes with its round 0.
+        """
+        if self._armed or self._backward_started:
+            raise RuntimeError("switch_to() between steps only: after backward, before the next training forward")
+        phase = self._make_phase(topology, start=self._step)
+        if phase.allreduce:
+            self.global_avg(will_revert=False)
+            self._average_optimizer_states()
+        else:
+            self._drop_pending_exchanges()
+            for bucket in self._buckets:
+                self._launch(bucket, phase.my_stages[0], phase.topology.async_stage(0))
+        self._phase = phase
+
+    def _average_optimizer_states(self) -> None:
+        """Average each floating-point tensor of every optimizer's state (one all-reduce per dtype)."""
+        if self._world_size == 1:
+            return
+        groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+        for bucket in self._buckets:
+            for param in bucket.params:
+                for _, value in sorted(bucket.optimizer.state.get(param, {}).items()):
+                    if isinstance(value, Tensor) and value.is_floating_point():
+                        groups.setdefault((value.dtype, value.device), []).append(value)
+        for tensors in groups.values():
+            flat = torch._utils._flatten_dense_tensors(tensors)
+            self._average_in_place(flat)
+            torch._foreach_copy_(tensors, torch._utils._unflatten_dense_tensors(flat, tensors))
 
     # -- evaluation ---------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -486,18 +684,17 @@ class DecentralizedDataParallel(nn.Module):
                 self._wait_keep(bucket)
         params = [p for b in self._buckets for p in b.params]
         buffers = self._float_buffers() if self._sync_buffer_in_global_avg else []
-        if self._global_average is None:
+        if self._global_average is None and (will_revert or return_d2c):
             self._global_average = _GlobalAverage(
                 params=[p.detach().clone() for p in params], buffers=[t.clone() for t in buffers]
             )
-        local = self._global_average.params
         for tensor in [b.flat for b in self._buckets] if self._param_as_bucket_view else [p.data for p in params]:
             self._average_in_place(tensor)
         for tensor in buffers:
             self._average_in_place(tensor)
         d2c = None
         if return_d2c:
-            distances = torch._foreach_norm(torch._foreach_sub(params, local))
+            distances = torch._foreach_norm(torch._foreach_sub(params, self._global_average.params))
             d2c = float(torch.linalg.vector_norm(torch.stack(distances).double()))
         if not will_revert:
             self._drop_pending_exchanges()
@@ -506,7 +703,7 @@ class DecentralizedDataParallel(nn.Module):
     def _wait_keep(self, bucket: _Bucket) -> None:
         """Complete an exchange but keep it pending, so its data is still mixed in at the next step."""
         exchange = self._wait(bucket)
-        bucket.pending = _Exchange(exchange.edge, []) if exchange is not None else None
+        bucket.pending = dataclasses.replace(exchange, works=[]) if exchange is not None else None
 
     def _average_in_place(self, tensor: Tensor) -> None:
         if self._world_size > 1:
@@ -546,12 +743,18 @@ class DecentralizedDataParallel(nn.Module):
                     "optimizer": bucket.optimizer.state_dict(),
                     "scheduler": bucket.scheduler.state_dict() if bucket.scheduler is not None else None,
                     "received": bucket.comm.clone() if bucket.pending is not None else None,
+                    "staged": (
+                        bucket.pending.value.clone()
+                        if bucket.pending is not None and bucket.pending.value is not bucket.flat
+                        else None
+                    ),
                 }
             )
         return {
             "step": self._step,
             "world_size": self._world_size,
-            "topology": self._topo.describe(),
+            "topology": self._phase.label,
+            "phase_start": self._phase.start,
             "adaptive_factor": self._adaptive_factor,
             "scaler": self._scaler.state_dict() if self._scaler is not None else None,
             "buckets": buckets,
@@ -560,10 +763,10 @@ class DecentralizedDataParallel(nn.Module):
     @torch.no_grad()
     def load_engine_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``engine_state_dict()`` (after loading the model's ``state_dict()`` saved with it)."""
-        if state["world_size"] != self._world_size or state["topology"] != self._topo.describe():
+        if state["world_size"] != self._world_size or state["topology"] != self._phase.label:
             raise ValueError(
                 f"the engine state is from {state['world_size']} workers with {state['topology']!r}; this engine has "
-                f"{self._world_size} workers with {self._topo.describe()!r}"
+                f"{self._world_size} workers with {self._phase.label!r}"
             )
         saved_names = [b["names"] for b in state["buckets"]]
         if saved_names != self.bucket_names:
@@ -572,10 +775,10 @@ class DecentralizedDataParallel(nn.Module):
                 "bucket_size_in_mb?)"
             )
         self._step = state["step"]
+        self._phase.start = state.get("phase_start", 0)
         self._adaptive_factor = state["adaptive_factor"]
         if self._scaler is not None and state["scaler"] is not None:
             self._scaler.load_state_dict(state["scaler"])
-        round_ = self._step % len(self._my_edges)  # the round the last step launched its exchange in
         for bucket, saved in zip(self._buckets, state["buckets"]):
             self._wait(bucket)  # nothing may still write into ``comm``
             bucket.optimizer.load_state_dict(saved["optimizer"])
@@ -583,9 +786,12 @@ class DecentralizedDataParallel(nn.Module):
                 bucket.scheduler.load_state_dict(saved["scheduler"])
             if not self._param_as_bucket_view:
                 torch._foreach_copy_(bucket.views, [p.data for p in bucket.params])
-            if saved["received"] is not None:
+            if saved["received"] is not None:  # the exchange the last step launched, for this step's round
+                round_ = self._phase.round_of(self._step)
                 bucket.comm.copy_(saved["received"])
-                bucket.pending = _Exchange(self._my_edges[round_], [])
+                value = bucket.flat if saved.get("staged") is None else bucket.staging().copy_(saved["staged"])
+                stages = self._phase.my_stages[round_]
+                bucket.pending = _Exchange(stages, self._phase.topology.async_stage(round_), value, [])
 
     # -- accessors ----------------------------------------------------------------------------------------------
     def get_lr(self) -> float:
@@ -599,8 +805,14 @@ class DecentralizedDataParallel(nn.Module):
         self._adaptive_factor = float(factor)
 
     @property
-    def topology(self) -> Topology:
-        return self._topo
+    def topology(self) -> Topology | None:
+        """The topology gossiped over now; None in all-reduce mode."""
+        return self._phase.topology
+
+    @property
+    def mode(self) -> str:
+        """``"gossip"`` or ``"allreduce"``."""
+        return ALLREDUCE if self._phase.allreduce else "gossip"
 
     @property
     def step_count(self) -> int:

@@ -5,6 +5,10 @@ worker averages its parameters inside its group of round ``s mod period``. The m
 block-diagonal: member ``i`` of a group of ``m`` keeps ``weight`` of its own model and takes ``(1 - weight) / (m - 1)``
 of each other member's (``weight = 1/m`` is the uniform average all built-ins use).
 
+A round may also be a sequence of *stages*, each a partition of its own, applied in order: the round's matrix is
+``W_stage_k ... W_stage_1`` (hierarchical gossip: exchange between nodes, then average within each node). Topologies
+with one stage per round implement ``_get_topo_edges`` (decent-dp's extension point); staged ones ``_get_topo_stages``.
+
 The schedule is pure data (no process groups) so the launcher can validate a topology against a world size before any
 worker starts; :meth:`Topology.create_groups` binds it to ``torch.distributed`` inside the workers.
 """
@@ -22,6 +26,7 @@ from torch.distributed import ProcessGroup
 
 __all__ = [
     "Edge",
+    "Stages",
     "Topology",
     "TopologyReg",
     "register_topology",
@@ -63,10 +68,15 @@ class Edge:
         return self.size <= 1 or math.isclose(self.weight, 1.0 / self.size, rel_tol=0.0, abs_tol=1e-15)
 
 
-class Topology:
-    """Base class: subclasses return the rounds from :meth:`_get_topo_edges` (decent-dp's extension point).
+Stages = list[list[Edge]]
+"""One round: its stages in order, each a partition of the workers into groups."""
 
-    Inside ``_get_topo_edges`` the attributes ``_world_size``, ``_local_world_size``, ``_n_nodes`` and ``_rank`` are
+
+class Topology:
+    """Base class: subclasses return the rounds from :meth:`_get_topo_edges` (decent-dp's extension point), or rounds
+    of several stages from :meth:`_get_topo_stages`.
+
+    Inside those methods the attributes ``_world_size``, ``_local_world_size``, ``_n_nodes`` and ``_rank`` are
     available. Size constraints are reported by raising ``ValueError`` with a message that says which sizes work.
     """
 
@@ -90,19 +100,38 @@ class Topology:
         self._local_world_size = local_world_size
         self._n_nodes = world_size // local_world_size
         self._rank = int(rank)
-        self.rounds: list[list[Edge]] = self._get_topo_edges()
-        self._validate(self.rounds)
+        self.stages: list[Stages] = self._get_topo_stages()
+        self._validate(self.stages)
 
     # -- schedule ---------------------------------------------------------------------------------------------
     def _get_topo_edges(self) -> list[list[Edge]]:
-        raise NotImplementedError("a Topology subclass must implement _get_topo_edges()")
+        raise NotImplementedError("a Topology subclass must implement _get_topo_edges() or _get_topo_stages()")
 
-    def _validate(self, rounds: list[list[Edge]]) -> None:
+    def _get_topo_stages(self) -> list[Stages]:
+        """Rounds of stages; by default each round of ``_get_topo_edges`` is one stage."""
+        return [[edges] for edges in self._get_topo_edges()]
+
+    @property
+    def rounds(self) -> list[list[Edge]]:
+        """The groups of each round, for topologies with one stage per round (decent-dp's view)."""
+        if self.is_staged:
+            raise ValueError(f"topology '{self.name}' has rounds of several stages: read .stages")
+        return [stages[0] for stages in self.stages]
+
+    @rounds.setter
+    def rounds(self, rounds: list[list[Edge]]) -> None:
+        self.stages = [[edges] for edges in rounds]
+
+    @property
+    def is_staged(self) -> bool:
+        return any(len(stages) > 1 for stages in self.stages)
+
+    def _validate(self, rounds: list[Stages]) -> None:
         n = self._world_size
         label = f"topology '{self.name}' (world size {n})"
-        if not rounds:
-            raise ValueError(f"{label}: needs at least one round, got none")
-        for r, edges in enumerate(rounds):
+        if not rounds or any(not stages for stages in rounds):
+            raise ValueError(f"{label}: needs at least one round of at least one stage")
+        for r, edges in ((r, edges) for r, stages in enumerate(rounds) for edges in stages):
             seen: dict[int, int] = {}
             for edge in edges:
                 if not edge.ranks:
@@ -123,31 +152,58 @@ class Topology:
 
     @property
     def period(self) -> int:
-        return len(self.rounds)
+        return len(self.stages)
 
     @property
     def world_size(self) -> int:
         return self._world_size
 
-    def edge(self, step: int, rank: int | None = None) -> Edge:
-        """The group ``rank`` (default: this worker) averages in at optimizer step ``step``."""
+    @property
+    def local_world_size(self) -> int:
+        return self._local_world_size
+
+    def edges(self, step: int, rank: int | None = None) -> list[Edge]:
+        """The group ``rank`` (default: this worker) averages in at each stage of optimizer step ``step``'s round."""
         rank = self._rank if rank is None else rank
-        for edge in self.rounds[step % self.period]:
-            if rank in edge.ranks:
-                return edge
-        raise AssertionError("unreachable: validated topologies cover every rank")
+        return [next(e for e in edges if rank in e.ranks) for edges in self.stages[step % self.period]]
+
+    def edge(self, step: int, rank: int | None = None) -> Edge:
+        """The group ``rank`` (default: this worker) averages in at optimizer step ``step`` (one-stage rounds)."""
+        if self.is_staged:
+            raise ValueError(f"topology '{self.name}' has rounds of several stages: use edges(step, rank)")
+        return self.edges(step, rank)[0]
 
     get_edge = edge  # decent-dp's name
 
+    def async_stage(self, round_index: int) -> int:
+        """The stage of a round the engine overlaps with computation: the first one with a group spanning nodes.
+
+        The stages before it run when the exchange starts, the ones after it when it is mixed in; both block, which
+        is cheap for the within-node stages they are meant for.
+        """
+        node = self._local_world_size
+        for k, edges in enumerate(self.stages[round_index % self.period]):
+            if any(len({r // node for r in e.ranks}) > 1 for e in edges):
+                return k
+        return 0
+
     # -- analysis -----------------------------------------------------------------------------------------------
-    def mixing_matrix(self, round_index: int) -> torch.Tensor:
-        """The ``n x n`` doubly stochastic matrix W of one round (float64): ``x_new = W @ x``."""
+    def stage_matrix(self, round_index: int, stage: int) -> torch.Tensor:
+        """The ``n x n`` matrix of one stage of one round (float64)."""
         n = self._world_size
         w = torch.zeros(n, n, dtype=torch.float64)
-        for edge in self.rounds[round_index % self.period]:
+        for edge in self.stages[round_index % self.period][stage]:
             for i in edge.ranks:
                 for j in edge.ranks:
                     w[i, j] = edge.weight if i == j else edge.neighbor_weight
+        return w
+
+    def mixing_matrix(self, round_index: int) -> torch.Tensor:
+        """The ``n x n`` doubly stochastic matrix W of one round (float64): ``x_new = W @ x``; for a round of stages
+        the product ``W_stage_k ... W_stage_1``."""
+        w = torch.eye(self._world_size, dtype=torch.float64)
+        for stage in range(len(self.stages[round_index % self.period])):
+            w = self.stage_matrix(round_index, stage) @ w
         return w
 
     def period_matrix(self) -> torch.Tensor:
@@ -172,9 +228,11 @@ class Topology:
         return f"{self.name}: {self._world_size} workers ({self._n_nodes} nodes x {self._local_world_size})"
 
     def describe(self) -> str:
+        def groups(edges: list[Edge]) -> str:
+            return " ".join("(" + ",".join(map(str, e.ranks)) + ")" for e in edges)
+
         rounds = "; ".join(
-            f"round {r}: " + " ".join("(" + ",".join(map(str, e.ranks)) + ")" for e in edges)
-            for r, edges in enumerate(self.rounds)
+            f"round {r}: " + " then ".join(groups(edges) for edges in stages) for r, stages in enumerate(self.stages)
         )
         return f"{self.label}, period {self.period}, spectral gap {self.spectral_gap():.4f}; {rounds}"
 
@@ -182,8 +240,8 @@ class Topology:
     def create_groups(self) -> None:
         """Create one process group per distinct group of >= 3 ranks (collective: every rank, same order)."""
         groups: dict[tuple[int, ...], ProcessGroup] = {}
-        for edges in self.rounds:
-            for edge in edges:
+        for stages in self.stages:
+            for edge in (e for edges in stages for e in edges):
                 key = tuple(edge.ranks)
                 if len(key) >= 3 and key not in groups:
                     groups[key] = dist.new_group(list(key))
@@ -338,4 +396,39 @@ class AlternatingExpRingTopology(Topology):
                     second += intra
                 pair_count += 1
             rounds += [first, second]
+        return rounds
+
+
+@TopologyReg.register("hierarchical")
+class HierarchicalTopology(Topology):
+    """Two-stage rounds for clusters of nodes: exchange between nodes, then average within each node.
+
+    Stage 1 (between nodes, overlapped with computation): local rank j of node a averages with local rank j of node
+    a XOR 2^d, d = (k + j) mod log2(N) in round k, so the workers of one node talk to different nodes. Stage 2
+    (within the node, over its fast links): the node's workers average. Each round uses every node's link once, and
+    with as many workers per node as log2(N) a node mixes with all of its hypercube neighbours in every round.
+    Needs a power-of-two number of nodes N = world_size / local_world_size. One node: ``complete``; one worker per
+    node: ``one-peer-exp`` over the nodes.
+    """
+
+    def _get_topo_stages(self) -> list[Stages]:
+        nodes, local = self._n_nodes, self._local_world_size
+        if not _is_power_of_two(nodes):
+            raise ValueError(
+                "topology 'hierarchical' needs a power-of-two number of nodes (1, 2, 4, 8, ... nodes of "
+                f"{local} workers); got {nodes} nodes ({self._world_size} workers / {local} per node)"
+            )
+        within = [Edge(list(range(a * local, (a + 1) * local))) for a in range(nodes)]
+        if nodes == 1:
+            return [[within]]
+        dims = int(math.log2(nodes))
+        rounds: list[Stages] = []
+        for k in range(dims):
+            between = [
+                Edge([a * local + j, (a ^ 2 ** ((k + j) % dims)) * local + j])
+                for a in range(nodes)
+                for j in range(local)
+                if a < a ^ 2 ** ((k + j) % dims)
+            ]
+            rounds.append([between, within] if local > 1 else [between])
         return rounds
