@@ -51,6 +51,21 @@ class TopologyConfig:
 
 
 @dataclass
+class PhaseConfig:
+    """One entry of ``phases``: ``steps`` optimizer steps of ``algorithm`` (decentralized: gossip over ``topology``,
+    null meaning ``topology.name``; allreduce: the engine's gradient all-reduce). ``steps: null`` (last phase only):
+    until the end."""
+
+    algorithm: str = "decentralized"
+    topology: Optional[str] = None
+    steps: Optional[int] = None
+
+    def mode(self, default_topology: str) -> str:
+        """What the engine's ``switch_to`` takes: a topology name or "allreduce"."""
+        return "allreduce" if self.algorithm == "allreduce" else self.topology or default_topology
+
+
+@dataclass
 class RunInfo:
     """Facts about this job that only Hydra knows, written by the launcher for the workers (which never run Hydra)."""
 
@@ -82,6 +97,9 @@ class TrainConfig:
     eval_batch_size: int = 512
     bucket_size_mb: float = 25.0  # the engine's (and DDP's) bucket size
     comm_timeout_s: float = 300.0  # a gossip exchange or collective that takes longer fails (a peer hangs or died)
+    phases: list[PhaseConfig] = field(default_factory=list)  # a schedule of algorithms; empty: `algorithm` throughout
+    global_avg_every: int = 0  # gossip: replace every worker's model by the global average every k steps; 0: never
+    final_average: bool = True  # the final model (saved) is the workers' average; false: each keeps its own
     resume: Optional[str] = None  # a run directory to continue from (its newest complete checkpoint)
     dry_run: bool = False  # validate, print the topology and the worker command, train nothing
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -113,15 +131,55 @@ class TrainConfig:
                 f"eval_every={self.eval_every} and grad_clip_norm={self.grad_clip_norm} must be >= 0, "
                 f"bucket_size_mb={self.bucket_size_mb} and comm_timeout_s={self.comm_timeout_s} > 0"
             )
+        if self.global_avg_every < 0:
+            raise ValueError(f"global_avg_every={self.global_avg_every} must be >= 0 (0: never)")
         self._check_model_fits_data()
+        self._check_phases()
         if self.algorithm == "decentralized" and self.launch.nproc_per_node is not None:
             self.topology.import_module()
-            try:
-                self.build_topology()
-            except ValueError as error:
-                raise ValueError(f"topology={self.topology.name} with {self.launch.world_size} workers: {error}") from None
+            for name in {self.topology.name} | {p.mode(self.topology.name) for p in self.phases} - {"allreduce"}:
+                try:
+                    self.build_topology(name)
+                except ValueError as error:
+                    raise ValueError(f"topology={name} with {self.launch.world_size} workers: {error}") from None
         if self.resume is not None:
             self._check_resume()
+
+    def _check_phases(self) -> None:
+        if not self.phases:
+            return
+        if self.algorithm != "decentralized":
+            raise ValueError(
+                "phases run in the engine, which switches between gossip and its own gradient all-reduce; leave "
+                f"algorithm=decentralized (not {self.algorithm!r}) and give a phase algorithm: allreduce"
+            )
+        for i, phase in enumerate(self.phases):
+            where = f"phases[{i}]"
+            if phase.algorithm not in ALGORITHMS:
+                raise ValueError(f"{where}.algorithm={phase.algorithm!r}; valid: {', '.join(ALGORITHMS)}")
+            if phase.algorithm == "allreduce" and phase.topology is not None:
+                raise ValueError(f"{where}: algorithm allreduce takes no topology (got topology={phase.topology!r})")
+            last = i == len(self.phases) - 1
+            if phase.steps is None and not last:
+                raise ValueError(f"{where}.steps is null, but only the last phase may run until the end")
+            if phase.steps is not None and phase.steps < 1:
+                raise ValueError(f"{where}.steps={phase.steps} must be >= 1 (or null in the last phase: until the end)")
+        fixed = sum(p.steps or 0 for p in self.phases[:-1])
+        if self.steps and fixed >= self.steps:
+            raise ValueError(
+                f"phases before the last take {fixed} steps, but the run has steps={self.steps}: the last phase "
+                "would never run"
+            )
+
+    def phase_starts(self) -> list[tuple[int, str]]:
+        """(steps taken before it, engine mode) of each phase: [(0, topology or "allreduce"), ...]."""
+        if not self.phases:
+            return [(0, self.topology.name if self.algorithm == "decentralized" else "allreduce")]
+        starts, taken = [], 0
+        for phase in self.phases:
+            starts.append((taken, phase.mode(self.topology.name)))
+            taken += phase.steps or 0
+        return starts
 
     def _check_resume(self) -> None:
         checkpoints = complete_checkpoints(Path(self.resume))
@@ -158,13 +216,20 @@ class TrainConfig:
 
     def schedule(self) -> str:
         """What a checkpoint must have been trained with, besides the world size: the topology laid out over nodes,
-        or all-reduce."""
-        return self.build_topology().label if self.algorithm == "decentralized" else "allreduce"
+        or all-reduce, or the phases."""
+        if self.algorithm != "decentralized":
+            return "allreduce"
+        if not self.phases:
+            return self.build_topology().label
+        return "phases: " + ", ".join(
+            ("allreduce" if mode == "allreduce" else self.build_topology(mode).label) + f" from step {start}"
+            for start, mode in self.phase_starts()
+        )
 
-    def build_topology(self) -> Topology:
-        """The gossip schedule for the launch's workers (no process group needed)."""
+    def build_topology(self, name: str | None = None) -> Topology:
+        """The gossip schedule for the launch's workers (no process group needed); default: ``topology.name``."""
         local = self.topology.local_world_size or self.launch.nproc_per_node
-        return build_topology(self.topology.name, self.launch.world_size, local)
+        return build_topology(name or self.topology.name, self.launch.world_size, local)
 
 
 def check_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:

@@ -58,22 +58,45 @@ class Precision:
 
 
 class Decentralized:
-    """``algorithm=decentralized``: the engine steps inside backward and gossips with the topology's neighbours."""
+    """``algorithm=decentralized``: the engine steps inside backward and gossips with the topology's neighbours, or
+    runs ``phases``: gossip and the engine's own gradient all-reduce, switched at step boundaries."""
 
-    def __init__(self, net: nn.Module, cfg: TrainConfig, schedule: LRSchedulerFn, scaler: torch.amp.GradScaler):
+    def __init__(
+        self, net: nn.Module, cfg: TrainConfig, schedule: LRSchedulerFn, scaler: torch.amp.GradScaler, steps_taken: int
+    ):
+        self.phase_starts = cfg.phase_starts()
+        self.phase = self.phase_at(steps_taken)
         self.engine = DecentralizedDataParallel(
             net,
             optim_fn=make_optim_fn(cfg.optim),
             lr_scheduler_fn=schedule,
-            topology=cfg.topology.name,
+            topology=self.phase_starts[self.phase][1],
             scaler=scaler if scaler.is_enabled() else None,
             grad_clip_norm=cfg.grad_clip_norm,
             bucket_size_in_mb=cfg.bucket_size_mb,
             local_world_size=cfg.topology.local_world_size,  # None: torchrun's LOCAL_WORLD_SIZE
             sync_buffer_in_global_avg=True,  # BatchNorm statistics are averaged with the parameters for evaluation
             timeout=cfg.comm_timeout_s,
+            global_avg_every=cfg.global_avg_every,
         )
         self.model, self.net = self.engine, net
+
+    def phase_at(self, steps_taken: int) -> int:
+        """The phase the engine is in after ``steps_taken`` steps (it switches just before a phase's first step)."""
+        return max([i for i, (start, _) in enumerate(self.phase_starts) if start < steps_taken], default=0)
+
+    def begin_step(self, steps_taken: int) -> bool:
+        """Enter the next phase if it starts with this step; whether it did."""
+        following = self.phase + 1
+        if following < len(self.phase_starts) and self.phase_starts[following][0] == steps_taken:
+            self.phase = following
+            self.engine.switch_to(self.phase_starts[following][1])
+            return True
+        return False
+
+    @property
+    def phase_name(self) -> str:
+        return self.phase_starts[self.phase][1]
 
     def state_dict(self) -> dict[str, Any]:
         return self.engine.engine_state_dict()
@@ -94,14 +117,23 @@ class Decentralized:
         return self.engine.comm_wait_seconds
 
     def bytes_per_step(self) -> float:
+        if self.engine.topology is None:
+            return allreduce_bytes_per_step(dist.get_world_size(), sum(self.engine.bucket_bytes))
         return gossip_bytes_per_step(self.engine.topology, dist.get_rank(), self.engine.bucket_bytes)
 
     def info(self) -> dict[str, Any]:
         topology = self.engine.topology
-        return {
+        gossip = {} if topology is None else {
             "topology/rounds": topology.describe(),
             "topology/period": topology.period,
             "topology/spectral_gap": topology.spectral_gap(),
+        }
+        phases = {} if len(self.phase_starts) == 1 else {
+            "phases": ", ".join(f"{mode} from step {start}" for start, mode in self.phase_starts)
+        }
+        return {
+            **phases,
+            **gossip,
             "engine/buckets": len(self.engine.bucket_bytes),
             "engine/bucket_mb": [round(b / 2**20, 4) for b in self.engine.bucket_bytes],
         }
@@ -123,7 +155,11 @@ class Decentralized:
 class AllReduce:
     """``algorithm=allreduce``: torch DistributedDataParallel with the same model, data, optimizer and schedule."""
 
-    def __init__(self, net: nn.Module, cfg: TrainConfig, schedule: LRSchedulerFn, scaler: torch.amp.GradScaler):
+    phase, phase_name = 0, "allreduce"
+
+    def __init__(
+        self, net: nn.Module, cfg: TrainConfig, schedule: LRSchedulerFn, scaler: torch.amp.GradScaler, steps_taken: int
+    ):
         self.scaler = scaler
         device_ids = [net_device(net)] if net_device(net).type == "cuda" else None
         self.model = DistributedDataParallel(net, device_ids=device_ids, bucket_cap_mb=cfg.bucket_size_mb)
@@ -168,6 +204,9 @@ class AllReduce:
 
     def info(self) -> dict[str, Any]:
         return {"ddp/bucket_cap_mb": self.model.bucket_bytes_cap / 2**20}
+
+    def begin_step(self, steps_taken: int) -> bool:
+        return False
 
     def averaged(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()  # all-reduce keeps the workers' models equal
@@ -238,7 +277,12 @@ def train(cfg: TrainConfig, run_dir: Path, device: torch.device, on_record: OnRe
     precision = Precision(cfg.precision, device)
     algorithm = Decentralized if cfg.algorithm == "decentralized" else AllReduce
     schedule = make_scheduler_fn(cfg.scheduler, total_steps, steps_per_epoch)
-    algo = algorithm(net, cfg, schedule, precision.scaler)
+    checkpoint, state = load_latest_checkpoint([run_dir] + ([Path(cfg.resume)] if cfg.resume else []), cfg.schedule())
+    start_step = checkpoint.step if checkpoint is not None else 0  # this run's own (a restart), or cfg.resume's
+    algo = algorithm(net, cfg, schedule, precision.scaler, start_step)
+    if checkpoint is not None and state is not None:
+        _restore(algo, state, device)
+        logger.info(f"resumed from {checkpoint.path} (step {checkpoint.step})")
     trainable = [p for p in net.parameters() if p.requires_grad]
     info = {
         "world_size": world,
@@ -250,7 +294,6 @@ def train(cfg: TrainConfig, run_dir: Path, device: torch.device, on_record: OnRe
         **algo.info(),
     }
     logger.info(" | ".join(f"{k} {v}" for k, v in info.items()))
-    start_step = _resume(cfg, run_dir, algo, device)
     metrics = MetricLogger(
         run_dir / METRICS_FILE if rank == 0 else None, cfg.logger, dataclasses.asdict(cfg), resumed_step=start_step
     )
@@ -288,20 +331,13 @@ class Job:
     start_step: int  # steps already taken (a resumed run)
 
 
-def _resume(cfg: TrainConfig, run_dir: Path, algo: Decentralized | AllReduce, device: torch.device) -> int:
-    """Load the newest complete checkpoint of this run (a restarted worker) or of ``cfg.resume``; the step it was
-    taken at, 0 when there is none."""
-    run_dirs = [run_dir] + ([Path(cfg.resume)] if cfg.resume else [])
-    checkpoint, state = load_latest_checkpoint(run_dirs, cfg.schedule())
-    if checkpoint is None or state is None:
-        return 0
+def _restore(algo: Decentralized | AllReduce, state: dict[str, Any], device: torch.device) -> None:
+    """Continue from a checkpoint's state: the model, the algorithm's state and the random number generators."""
     algo.net.load_state_dict(state["model"])
     algo.load_state_dict(state["algorithm"])
     torch.set_rng_state(state["rng"])
     if device.type == "cuda" and state["cuda_rng"] is not None:
         torch.cuda.set_rng_state(state["cuda_rng"], device)
-    logger.info(f"resumed from {checkpoint.path} (step {checkpoint.step})")
-    return checkpoint.step
 
 
 def _checkpoint(job: Job, step: int) -> float:
@@ -340,7 +376,7 @@ def _train_loop(job: Job, metrics: MetricLogger, on_record: OnRecord | None) -> 
     batches = job.data.train_batches(job.batch_size, rank, world, cfg.seed, start=job.start_step * cfg.accum_steps)
     trainable = [p for p in algo.net.parameters() if p.requires_grad]
     samples_per_step = job.batch_size * cfg.accum_steps  # per worker
-    bytes_per_step = algo.bytes_per_step()
+    phase_ends = {start for start, _ in cfg.phase_starts()[1:]} | {total_steps}  # a record closes every phase
     bar = tqdm(
         total=total_steps, initial=job.start_step, unit="step", disable=rank != 0 or not cfg.logger.progress_bar,
         dynamic_ncols=True,
@@ -352,6 +388,8 @@ def _train_loop(job: Job, metrics: MetricLogger, on_record: OnRecord | None) -> 
     train_seconds = 0.0
     record: dict[str, Any] = {}
     for step in range(job.start_step + 1, total_steps + 1):
+        if algo.begin_step(step - 1):
+            logger.info(f"step {step}: phase {algo.phase} ({algo.phase_name}) begins")
         for micro in range(cfg.accum_steps):
             data_start = time.perf_counter()
             x, y = to_device(next(batches), device, cfg.channels_last)
@@ -370,7 +408,7 @@ def _train_loop(job: Job, metrics: MetricLogger, on_record: OnRecord | None) -> 
         checkpoint_now = every > 0 and (step % every == 0 or step == total_steps)
         evaluate_now = step == total_steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
         consensus_now = cfg.logger.consensus_every > 0 and step % cfg.logger.consensus_every == 0
-        record_now = step % cfg.logger.log_every == 0 or evaluate_now or consensus_now
+        record_now = step % cfg.logger.log_every == 0 or evaluate_now or consensus_now or step in phase_ends
         if record_now or checkpoint_now:
             _check_finite(first_bad_step, job.run_dir)  # never log or save a diverged model as if it were fine
         if record_now:
@@ -383,7 +421,8 @@ def _train_loop(job: Job, metrics: MetricLogger, on_record: OnRecord | None) -> 
             train_seconds += elapsed
             comm_seconds = (algo.comm_wait_seconds() or 0.0) - comm_start
             stats = _gather(  # one row per worker
-                [loss_sum, micro_batches, elapsed, data_seconds, comm_seconds, peak_memory_bytes(device), bytes_per_step],
+                [loss_sum, micro_batches, elapsed, data_seconds, comm_seconds, peak_memory_bytes(device),
+                 algo.bytes_per_step()],
                 device,
             )
             steps_in_window = micro_batches / cfg.accum_steps
@@ -391,6 +430,8 @@ def _train_loop(job: Job, metrics: MetricLogger, on_record: OnRecord | None) -> 
             record = {
                 "step": step,
                 "epoch": step / job.steps_per_epoch,
+                "phase": algo.phase,
+                "phase/name": algo.phase_name,
                 "train/loss": (loss_total.sum() / micro_total.sum()).item(),
                 "train/lr": algo.lr(),
                 "throughput/samples_per_s": world * steps_in_window * samples_per_step / elapsed_w.max().item(),
@@ -433,7 +474,8 @@ def _train_loop(job: Job, metrics: MetricLogger, on_record: OnRecord | None) -> 
         with algo.averaged():
             record = {"train/loss": math.nan, **evaluate(algo.net, cfg, job.data, device, precision)}
         train_seconds = math.inf
-    algo.average()  # the final model is the average of the workers' models
+    if cfg.final_average:
+        algo.average()  # the final model is the average of the workers' models
     trained = (total_steps - job.start_step) * samples_per_step * world  # in this run (after a resume: since it)
     return {
         "eval/accuracy": record["eval/accuracy"],

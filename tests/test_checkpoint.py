@@ -324,3 +324,29 @@ def test_failed_worker_restarts_and_ends_like_an_uninterrupted_run(tmp_path: Pat
     check_succeeded(clean)
     _same_params(failed_dir, tmp_path / "clean")
     assert _measured(failed_dir) == _measured(tmp_path / "clean")
+
+
+# -- phases ----------------------------------------------------------------------------------------------------------
+PHASED = {
+    **CHECKPOINTED,
+    "checkpoint": {"every": 2, "keep": 5},
+    "phases": [{"algorithm": "allreduce", "steps": 4}, {"topology": "ring", "steps": 3}, {"algorithm": "allreduce"}],
+}  # checkpoints at 2, 4 (the last all-reduce step), 6 (inside ring: an exchange in flight), 8 and 9
+
+
+@pytest.mark.parametrize("crash_after", [4, 6])
+def test_phased_run_resumes_exactly_at_and_inside_a_phase(tmp_path: Path, crash_after: int) -> None:
+    """The engine is rebuilt in the phase the checkpoint was taken in, and enters the next phase at the same step."""
+    whole = tmp_path / "whole"
+    _run(make_cfg(whole, **PHASED))
+    resumed = tmp_path / "resumed"
+    _crash_after(resumed, whole, crash_after)
+    assert _run(make_cfg(resumed, **PHASED))["resumed_from_step"] == crash_after
+    _same_params(resumed, whole)
+    assert _measured(resumed) == _measured(whole)
+    assert {r["step"]: r["phase"] for r in records(whole)} == {3: 0, 4: 0, 6: 1, 7: 1, 9: 2}
+
+
+def test_a_checkpoint_from_another_phase_plan_is_refused(uninterrupted: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="phases: allreduce from step 0"):
+        make_cfg(tmp_path, **PHASED, resume=str(uninterrupted))

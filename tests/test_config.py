@@ -90,6 +90,17 @@ def test_every_option_composes_and_checks(group: str, option: str, data_dirs: di
         ({"topology": {"name": "torus"}}, "unknown topology 'torus'"),
         ({"topology": {"module": "no_such_module_here"}}, "topology.module='no_such_module_here'"),
         ({"topology": {"name": "alternating-exp-ring", "local_world_size": 1}, "launch": {"nproc_per_node": 3}}, "3 workers"),
+        ({"phases": [{"algorithm": "gossip"}]}, "phases[0].algorithm='gossip'; valid: decentralized, allreduce"),
+        ({"phases": [{"algorithm": "allreduce", "topology": "ring"}]}, "phases[0]: algorithm allreduce takes no topology"),
+        ({"phases": [{"algorithm": "allreduce"}, {"topology": "ring"}]}, "phases[0].steps is null"),
+        ({"phases": [{"algorithm": "allreduce", "steps": 0}, {}]}, "phases[0].steps=0 must be >= 1"),
+        ({"steps": 10, "phases": [{"algorithm": "allreduce", "steps": 10}, {}]}, "take 10 steps, but the run has steps=10"),
+        ({"algorithm": "allreduce", "phases": [{"algorithm": "allreduce"}]}, "leave algorithm=decentralized"),
+        ({"launch": {"nproc_per_node": 3}, "phases": [{"steps": 5}, {"topology": "one-peer-exp"}]},
+         "topology=one-peer-exp with 3 workers"),
+        ({"launch": {"nproc_per_node": 6}, "topology": {"name": "hierarchical", "local_world_size": 2}},
+         "power-of-two number of nodes"),
+        ({"global_avg_every": -1}, "global_avg_every=-1"),
     ],
 )
 def test_bad_values_name_themselves(override: dict, fragment: str) -> None:

@@ -12,7 +12,16 @@ import pytest
 from omegaconf import OmegaConf
 from PIL import Image
 
-from decent_train.launcher.plot import THROUGHPUT, THROUGHPUT_MIN, find_runs, load_runs, main, run_labels, throughput
+from decent_train.launcher.plot import (
+    THROUGHPUT,
+    THROUGHPUT_MIN,
+    find_runs,
+    load_runs,
+    main,
+    phase_changes,
+    run_labels,
+    throughput,
+)
 
 COMMON = ["logger.progress_bar=false", "steps=20"]
 LINE_PNGS = [f"{name}_vs_{x}.png" for name in ("loss", "accuracy", "consensus") for x in ("step", "time")]
@@ -140,3 +149,18 @@ def test_missing_dir_is_an_error_without_traceback(tmp_path: Path) -> None:
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("decent-train-plot: error: ") and str(missing) in lines[0]
     assert not missing.exists()
+
+
+def test_phase_changes_are_the_last_record_of_each_phase(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_run(tmp_path / "run", ["topology=ring", *COMMON], 1.0)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    phases = [0, 0, 0, 1, 1, 1, 1, 2, 2, 2]  # records at steps 2..20: phase 0 ends at step 6, phase 1 at step 14
+    with_phases = [json.dumps(json.loads(line) | {"phase": p}) for line, p in zip(lines, phases)]
+    (tmp_path / "run" / "metrics.jsonl").write_text("\n".join(with_phases) + "\n")
+    (run,) = load_runs(tmp_path / "run")
+    assert phase_changes(run, "step") == [6, 14]
+    main([str(tmp_path / "run"), "--out", str(tmp_path / "charts")])  # the dotted marks do not break a chart
+    assert_pngs(tmp_path / "charts", ["loss_vs_step.png"])
+    no_phases = tmp_path / "plain"
+    write_run(no_phases, ["topology=ring", *COMMON], 1.0)
+    assert phase_changes(load_runs(no_phases)[0], "step") == []

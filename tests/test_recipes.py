@@ -42,7 +42,7 @@ def has(config: dict[str, Any], expected: dict[str, Any]) -> bool:
 def test_recipes_exist() -> None:
     assert set(RECIPES) >= {
         "resnet50_imagenet", "resnet50_imagenet_allreduce", "gpt2_owt", "gpt2_owt_allreduce",
-        "resnet18_cifar10", "cpu_demo", "topology_sweep",
+        "resnet18_cifar10", "cpu_demo", "topology_sweep", "cpu_phases", "phases_sweep",
     }
 
 
@@ -119,6 +119,8 @@ def tiny_overrides(name: str, data: dict[str, Path]) -> list[str]:
     if name.startswith("gpt2"):
         return common + ["dataset.vocab_size=64", "model.layers=2", "model.heads=2",
                          "model.width=32", "global_batch_size=4"]
+    if name in ("cpu_phases", "phases_sweep"):
+        return common + ["phases.0.steps=1"]  # both phases run: 1 all-reduce step, then gossip
     return common
 
 
@@ -164,3 +166,25 @@ def test_topology_sweep_runs_one_job_per_topology(tmp_path: Path) -> None:
     builtin = {"complete", "ring", "one-peer-exp", "alternating-exp-ring"}
     assert builtin <= set(topology_names())
     assert {OmegaConf.load(j).topology.name for j in jobs} == builtin and len(jobs) == len(builtin)
+
+
+def test_cpu_phases_warms_up_with_allreduce_then_gossips() -> None:
+    cfg = check_config(compose_recipe("cpu_phases"))
+    assert cfg.phase_starts() == [(0, "allreduce"), (60, "ring")]
+    assert (cfg.global_avg_every, cfg.final_average) == (100, True)
+
+
+def test_phases_sweep_compares_three_schedules(tmp_path: Path) -> None:
+    exe = Path(sys.executable).parent / "decent-train"
+    proc = subprocess.run(
+        [str(exe), "-m", "-cn", "phases_sweep", "dry_run=true", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    jobs = sorted((tmp_path / "sweep").glob("*/resolved_config.yaml"))
+    plans = [[(p.algorithm, p.topology, p.steps) for p in OmegaConf.load(j).phases] for j in jobs]
+    assert plans == [
+        [("allreduce", None, 60), ("decentralized", "ring", None)],
+        [("decentralized", "ring", None)],
+        [("allreduce", None, None)],
+    ]

@@ -107,10 +107,13 @@ def expected_window_losses(losses: dict[tuple[int, int, int], float], cfg: Train
     return out
 
 
-def check_run(cfg: TrainConfig, oracle_model: nn.Module, losses: dict, data: Datasets) -> None:
+def check_run(
+    cfg: TrainConfig, oracle_model: nn.Module, losses: dict, data: Datasets, saved_model: nn.Module | None = None
+) -> None:
+    """``oracle_model`` is what is evaluated (and saved, unless ``saved_model`` is given)."""
     run_dir = Path(cfg.run.output_dir)
     saved = torch.load(run_dir / MODEL_FILE)
-    for name, value in oracle_model.state_dict().items():
+    for name, value in (saved_model or oracle_model).state_dict().items():
         torch.testing.assert_close(saved[name], value, rtol=1e-4, atol=2e-5, msg=f"final model differs at {name}")
     logged = logged_losses(run_dir)
     for step, want in expected_window_losses(losses, cfg).items():
@@ -136,6 +139,12 @@ RUNS = {
     "bf16_label_smoothing": lambda tmp: {"precision": "bf16", "label_smoothing": 0.1},
     "fp16_scaler_and_clipping": lambda tmp: {"precision": "fp16", "grad_clip_norm": 0.3},
     "gpt2_tied_on_tokens": gpt_on_tokens,
+    # all-reduce -> ring -> all-reduce in the engine, a global average every 3 steps (phase boundaries at records)
+    "phases": lambda tmp: {
+        "phases": [{"algorithm": "allreduce", "steps": 2}, {"topology": "ring", "steps": 2}, {"algorithm": "allreduce"}],
+        "global_avg_every": 3,
+    },
+    "gossip_without_final_average": lambda tmp: {"final_average": False},  # rank 0's own model is saved
 }
 
 
@@ -159,6 +168,8 @@ def test_decentralized_run_matches_replay(tmp_path: Path, run: str) -> None:
 
     from decent_train import build_topology
 
+    phases = {start: None if mode == "allreduce" else build_topology(mode, WORLD, WORLD)
+              for start, mode in cfg.phase_starts()}
     models = replay(
         build_topology(topology, WORLD, WORLD),
         cfg.steps,
@@ -168,9 +179,14 @@ def test_decentralized_run_matches_replay(tmp_path: Path, run: str) -> None:
         loss=loss,
         micro_batches=cfg.accum_steps,
         grad_clip_norm=cfg.grad_clip_norm,
+        phases=phases,
+        global_avg_every=cfg.global_avg_every,
     )
-    average = average_model(cfg, data, models)
-    check_run(cfg, average, losses, data)
+    average = average_model(cfg, data, models)  # evaluated; saved too unless final_average=false saves rank 0's own
+    check_run(cfg, average, losses, data, saved_model=None if cfg.final_average else average_model(cfg, data, models[:1]))
+    if cfg.phases:  # the records say which phase they close; every phase ends with a record
+        logged = {r["step"]: (r["phase"], r["phase/name"]) for r in records(tmp_path)}
+        assert logged == {2: (0, "allreduce"), 3: (1, "ring"), 4: (1, "ring"), 6: (2, "allreduce")}  # 3: eval_every
 
 
 def test_allreduce_run_matches_single_process(tmp_path: Path) -> None:

@@ -105,7 +105,8 @@ class MetricLogger:
         self._file.flush()
         logger.debug(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()))
         if self._wandb is not None:
-            self._guard(lambda: self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"]))
+            values = {k: v for k, v in record.items() if k != "step" and not isinstance(v, str)}  # names: in the JSONL
+            self._guard(lambda: self._wandb.log(values, step=record["step"]))
 
     def close(self, failed: bool = False) -> None:
         """Always called, also when training failed: the wandb run is finished with the right exit code."""
@@ -185,13 +186,13 @@ def consensus_distance(params: list[Tensor]) -> tuple[float, float]:
 
 
 def gossip_bytes_per_step(topology: Topology, rank: int, bucket_bytes: list[int]) -> float:
-    """Bytes this worker sends per step, averaged over the topology's period.
+    """Bytes this worker sends per step, averaged over the topology's period (summed over a round's stages).
 
     A pair sends each bucket once; a group of m >= 3 all-reduces it, counted as a ring all-reduce (2(m-1)/m of the
     bucket); a worker alone sends nothing.
     """
     total = sum(bucket_bytes)
-    sent = [_exchange_bytes(topology.edge(r, rank).size, total) for r in range(topology.period)]
+    sent = [sum(_exchange_bytes(e.size, total) for e in topology.edges(r, rank)) for r in range(topology.period)]
     return sum(sent) / len(sent)
 
 

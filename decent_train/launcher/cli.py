@@ -25,7 +25,15 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from decent_train.components.data import prepare as prepare_data
-from decent_train.config import METRICS_FILE, MODEL_FILE, RESOLVED_CONFIG, RESULT_FILE, TrainConfig, check_config
+from decent_train.config import (
+    METRICS_FILE,
+    MODEL_FILE,
+    RESOLVED_CONFIG,
+    RESULT_FILE,
+    PhaseConfig,
+    TrainConfig,
+    check_config,
+)
 from decent_train.launcher.launch import (
     WorkerFailure,
     format_command,
@@ -106,7 +114,10 @@ def _check_and_launch(cfg: DictConfig) -> float | None:
 
 
 def _train(cfg: TrainConfig, run_dir: Path, config_path: Path) -> float:
-    what = f"topology={cfg.topology.name}" if cfg.algorithm == "decentralized" else "all-reduce"
+    if cfg.phases:
+        what = "phases " + " > ".join(mode for _, mode in cfg.phase_starts())
+    else:
+        what = f"topology={cfg.topology.name}" if cfg.algorithm == "decentralized" else "all-reduce"
     logger.info(f"{cfg.launch.world_size} workers on {cfg.launch.device}, {what}; outputs in {run_dir}")
     start = time.perf_counter()
     prepare_data(cfg.dataset)  # a download happens once, here, not in every worker
@@ -121,19 +132,25 @@ def _train(cfg: TrainConfig, run_dir: Path, config_path: Path) -> float:
         f"decent-train: eval/accuracy {result['eval/accuracy']:.4f}, eval/loss {result['eval/loss']:.4f} after "
         f"{result['steps']} steps; {result['throughput/samples_per_s']:.0f} samples/s over {result['world_size']} "
         f"workers ({what}); {wall:.1f} s in all\n"
-        f"  outputs: {run_dir}  ({MODEL_FILE}: the averaged model's state_dict; {METRICS_FILE}, {RESULT_FILE}, logs/)",
+        f"  outputs: {run_dir}  ({MODEL_FILE}: the {'averaged' if cfg.final_average else 'rank 0'} model's state_dict; "
+        f"{METRICS_FILE}, {RESULT_FILE}, logs/)",
         flush=True,
     )
     return float(result["eval/accuracy"])
 
 
 def _print_dry_run(cfg: TrainConfig, config_path: Path) -> None:
-    if cfg.algorithm == "decentralized":
+    if cfg.phases:
+        summary = cfg.schedule()
+    elif cfg.algorithm == "decentralized":
         summary = cfg.build_topology().describe()
     else:
         summary = f"all-reduce (torch DDP) over {cfg.launch.world_size} workers"
     print(f"dry run: nothing trained\n  topology: {summary}\n  config:   {config_path}")
     print(f"  workers:  {format_command(torchrun_command(cfg.launch, config_path))}", flush=True)
+
+
+_LIST_ENTRIES = {PhaseConfig: "in each entry of phases"}  # list entries: OmegaConf reports no parent key
 
 
 def describe_error(error: BaseException) -> str | None:
@@ -150,7 +167,7 @@ def describe_error(error: BaseException) -> str | None:
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key:
         parent = str(cause.full_key).rpartition(".")[0]
         valid = _field_names(cause.object_type)
-        where = f"in {parent}" if parent else "at the top level"
+        where = f"in {parent}" if parent else _LIST_ENTRIES.get(cause.object_type, "at the top level")
         return f"{cause.full_key} is not a key; valid {where}: {', '.join(valid)}" if valid else str(cause.msg)
     if isinstance(cause, OmegaConfBaseException):
         message = str(cause.msg).strip().splitlines()[0]

@@ -88,6 +88,18 @@ def _series(run: Run, x_key: str, y_key: str) -> tuple[list[float], list[float]]
     return [x for x, _ in kept], [y for _, y in kept]
 
 
+def phase_changes(run: Run, x_key: str) -> list[float]:
+    """Where a run with ``phases`` changed algorithm: the x of each phase's last record."""
+    changes: list[float] = []
+    last_x, last_phase = None, None
+    for record in run.records:
+        x, phase = _number(record.get(x_key)), record.get("phase")
+        if phase is not None and last_phase is not None and phase != last_phase and last_x is not None:
+            changes.append(last_x)
+        last_x, last_phase = x, phase if phase is not None else last_phase
+    return changes
+
+
 def _save(fig: Figure, path: Path) -> None:
     """Renders with Agg (no display needed) and lets the figure go, so a long sweep does not pile up figures."""
     FigureCanvasAgg(fig)
@@ -99,14 +111,16 @@ def _save(fig: Figure, path: Path) -> None:
 
 def plot_lines(runs: list[Run], y_key: str, x_key: str, x_label: str, path: Path) -> bool:
     """One line per run; False (nothing written) when no run has a point of ``y_key`` against ``x_key``."""
-    series = [(run.label, *_series(run, x_key, y_key)) for run in runs]
+    series = [(run, *_series(run, x_key, y_key)) for run in runs]
     series = [s for s in series if s[1]]
     if not series:
         return False
     fig = Figure(figsize=(7, 4.5))
     ax = fig.add_subplot()
-    for label, xs, ys in series:
-        ax.plot(xs, ys, label=label, marker="." if len(xs) < 30 else None)
+    for run, xs, ys in series:
+        (line,) = ax.plot(xs, ys, label=run.label, marker="." if len(xs) < 30 else None)
+        for x in phase_changes(run, x_key):  # dotted: the end of a phase
+            ax.axvline(x, color=line.get_color(), linestyle=":", alpha=0.7)
     if y_key.startswith("consensus/") and all(y > 0 for _, _, ys in series for y in ys):
         ax.set_yscale("log")  # the distance shrinks by orders of magnitude as the workers agree
     ax.set(xlabel=x_label, ylabel=y_key)
