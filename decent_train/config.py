@@ -96,6 +96,7 @@ class TrainConfig:
     eval_every: int = 0  # optimizer steps between evaluations of the averaged model; 0: only at the end
     eval_batch_size: int = 512
     bucket_size_mb: float = 25.0  # the engine's (and DDP's) bucket size
+    message_size_mb: float = 0.0  # gossip pairs send a bucket in messages of this size; 0: one message (see README)
     comm_timeout_s: float = 300.0  # a gossip exchange or collective that takes longer fails (a peer hangs or died)
     phases: list[PhaseConfig] = field(default_factory=list)  # a schedule of algorithms; empty: `algorithm` throughout
     global_avg_every: int = 0  # gossip: replace every worker's model by the global average every k steps; 0: never
@@ -126,9 +127,11 @@ class TrainConfig:
             self.batch_size_per_worker(self.launch.world_size)
         if self.steps < 0 or (self.steps == 0 and self.epochs <= 0):
             raise ValueError(f"steps={self.steps}, epochs={self.epochs}: set steps >= 1, or steps=0 and epochs > 0")
-        if self.eval_every < 0 or self.grad_clip_norm < 0 or self.bucket_size_mb <= 0 or self.comm_timeout_s <= 0:
+        if (self.eval_every < 0 or self.grad_clip_norm < 0 or self.message_size_mb < 0 or self.bucket_size_mb <= 0
+                or self.comm_timeout_s <= 0):
             raise ValueError(
-                f"eval_every={self.eval_every} and grad_clip_norm={self.grad_clip_norm} must be >= 0, "
+                f"eval_every={self.eval_every}, grad_clip_norm={self.grad_clip_norm} and message_size_mb="
+                f"{self.message_size_mb} must be >= 0, "
                 f"bucket_size_mb={self.bucket_size_mb} and comm_timeout_s={self.comm_timeout_s} > 0"
             )
         if self.global_avg_every < 0:

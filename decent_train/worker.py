@@ -74,6 +74,7 @@ class Decentralized:
             scaler=scaler if scaler.is_enabled() else None,
             grad_clip_norm=cfg.grad_clip_norm,
             bucket_size_in_mb=cfg.bucket_size_mb,
+            message_size_in_mb=cfg.message_size_mb,
             local_world_size=cfg.topology.local_world_size,  # None: torchrun's LOCAL_WORLD_SIZE
             sync_buffer_in_global_avg=True,  # BatchNorm statistics are averaged with the parameters for evaluation
             timeout=cfg.comm_timeout_s,

@@ -71,13 +71,14 @@ def build_ddp(model: nn.Module, topology: str, local_world_size: int) -> Step:
     return build_local(nn.parallel.DistributedDataParallel(model), topology, local_world_size)
 
 
-def build_decent_train(model: nn.Module, topology: str, local_world_size: int) -> Step:
+def build_decent_train(model: nn.Module, topology: str, local_world_size: int, message_mb: float = 0) -> Step:
     from decent_train import DecentralizedDataParallel, build_topology, optim_fn_sgd
 
     build_topology(topology, dist.get_world_size(), local_world_size)  # a ValueError when it cannot serve them
     optim_fn = partial(optim_fn_sgd, lr=0.01, momentum=0.9, weight_decay=0.0)
     wrapped = DecentralizedDataParallel(
-        model, optim_fn, topology=topology, bucket_size_in_mb=25, local_world_size=local_world_size
+        model, optim_fn, topology=topology, bucket_size_in_mb=25, local_world_size=local_world_size,
+        message_size_in_mb=message_mb,
     )
     wrapped.train()
     return lambda x, y: F.cross_entropy(wrapped(x), y).backward()
@@ -114,11 +115,13 @@ BUILDERS: dict[str, Callable[[nn.Module, str, int], Step]] = {
 }
 
 
-def implementations(topologies: list[str]) -> list[tuple[str, str, str]]:
+def implementations(topologies: list[str], message_mb: float = 0) -> list[tuple[str, str, str]]:
     """(name, builder, topology) of every implementation measured, in table order."""
+    split = [(f"decent_train/{t}/{message_mb:g}MB-messages", "decent_train_messages", t) for t in topologies]
     return [
         ("local", "local", ""),
         *[(f"decent_train/{t}", "decent_train", t) for t in topologies],
+        *(split if message_mb else []),
         *[(f"decent_dp/{t}", "decent_dp", t) for t in topologies],
         ("ddp", "ddp", ""),
     ]
@@ -143,6 +146,29 @@ def timed_run(step: Step, batches: list[tuple[Tensor, Tensor]], warmup: int, ste
     return elapsed.item()
 
 
+def measure_link(numel: int, repeats: int, message_numel: int = 0) -> float | None:
+    """Median seconds of one pair exchange of ``numel`` float32 values with no computation running (ranks 2i and
+    2i+1 send to each other at once, as ring gossip does), in one message or in messages of ``message_numel``: what
+    the link achieves. None for one worker."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    peer = rank + 1 if rank % 2 == 0 else rank - 1
+    send, receive = torch.ones(numel), torch.empty(numel)
+    times = []
+    for _ in range(repeats + 1):  # the first one sets up the connection
+        dist.barrier()
+        start = time.perf_counter()
+        if peer < world:
+            pieces = zip(send.split(message_numel or numel), receive.split(message_numel or numel))
+            ops = [op for i, (a, b) in enumerate(pieces)
+                   for op in (dist.P2POp(dist.isend, a, peer, tag=i), dist.P2POp(dist.irecv, b, peer, tag=i))]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(elapsed.item())
+    return statistics.median(times[1:]) if world > 1 else None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--topologies", default="ring", help="comma-separated")
@@ -154,6 +180,8 @@ def main() -> None:
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--message-mb", type=float, default=0,
+                   help="also measure decent_train with pair exchanges split into messages of this size")
     p.add_argument("--json", default=None, help="write the results here (rank 0)")
     args = p.parse_args()
 
@@ -172,15 +200,22 @@ def main() -> None:
     batches = [(torch.randn(args.batch, args.width, generator=gen), torch.randint(0, 10, (args.batch,), generator=gen))
                for _ in range(8)]
 
+    parameters = sum(p.numel() for p in make_mlp(args.width, args.depth, args.seed).parameters())
+    link_seconds = measure_link(parameters, 5)
+    message_numel = int(args.message_mb * 2**20) // 4
+    link_split_seconds = measure_link(parameters, 5, message_numel) if message_numel else None
+
     steps: dict[str, Step] = {}
     skipped: dict[str, str] = {}
-    for name, builder, topology in implementations(args.topologies.split(",")):
+    for name, builder, topology in implementations(args.topologies.split(","), args.message_mb):
         model = make_mlp(args.width, args.depth, args.seed)
         reason = ""
+        build = (partial(build_decent_train, message_mb=args.message_mb) if builder == "decent_train_messages"
+                 else BUILDERS[builder])
         try:
-            steps[name] = BUILDERS[builder](model, topology, args.local_world_size)
+            steps[name] = build(model, topology, args.local_world_size)
         except (ImportError, ValueError) as exc:
-            if builder not in ("decent_dp", "decent_train"):
+            if builder not in ("decent_dp", "decent_train", "decent_train_messages"):
                 raise
             reason = f"{type(exc).__name__}: {exc}"
         if not all_ranks_ok(not reason):
@@ -209,11 +244,16 @@ def main() -> None:
         versions = f"torch {torch.__version__}"
         if ours_vs_dp:
             versions += f", decent-dp {importlib.metadata.version('decent-dp')}"
-        parameters = sum(p.numel() for p in make_mlp(args.width, args.depth, args.seed).parameters())
         print(f"command: torchrun --nproc_per_node={world} {shlex.join(sys.argv)}")
         print(f"world size {world}, gloo, CPU, {torch.get_num_threads()} thread/worker, {versions}")
         print(f"MLP width {args.width} depth {args.depth} ({parameters / 1e6:.2f}M parameters), batch {args.batch}/rank, "
               f"{args.repeats} x ({args.warmup} warmup + {args.steps} timed) steps")
+        if link_seconds is not None:
+            print(f"link: a pair exchange of the model ({parameters * 4 / 1e6:.1f} MB each way, no compute) takes "
+                  f"{1000 * link_seconds:.1f} ms: {parameters * 32 / link_seconds / 1e9:.2f} Gbit/s each way")
+        if link_split_seconds is not None:
+            print(f"link: the same in {args.message_mb:g} MB messages takes {1000 * link_split_seconds:.1f} ms: "
+                  f"{parameters * 32 / link_split_seconds / 1e9:.2f} Gbit/s each way")
         print(f"{'implementation':<34} {'samples/s':>10} {'min':>10} {'max':>10} {'vs local':>9} {'vs ddp':>7}")
         for name, r in results.items():
             print(f"{name:<34} {r['median']:>10.1f} {r['min']:>10.1f} {r['max']:>10.1f} "
@@ -225,7 +265,9 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"argv": sys.argv, "world_size": world, "torch": torch.__version__, "args": vars(args),
-                           "parameters": parameters, "results": results, "skipped": skipped,
+                           "parameters": parameters, "link_exchange_s": link_seconds,
+                           "link_exchange_split_s": link_split_seconds, "results": results,
+                           "skipped": skipped,
                            "decent_train_vs_decent_dp": ours_vs_dp}, f, indent=2)
     dist.barrier()
     dist.destroy_process_group()

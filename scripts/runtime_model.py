@@ -7,7 +7,8 @@ size, link bandwidths and latencies, and the number of workers.
 The model, per iteration:
 
 * Gossip (decent_train): round r's exchange overlaps the whole next iteration, so an iteration takes
-  ``max(compute, exchange(r))``, averaged over the topology's period.
+  ``max(compute, exchange(r))``, averaged over the topology's period. A round of stages (hierarchical) overlaps only
+  its first stage between nodes; the other stages add their time.
 * All-reduce (DDP): the gradients' all-reduce can only overlap the backward pass, a fraction ``overlap`` of compute:
   ``max(compute, (1 - overlap) compute + allreduce)``.
 * An exchange's time comes from the bytes each link carries. A pair sends the model each way; a group of m >= 3
@@ -84,8 +85,12 @@ def exchange_seconds(groups: list[list[int]], model_bytes: float, cluster: Clust
 def gossip_iteration(
     topology: Topology, compute: float, model_bytes: float, cluster: Cluster, buckets: int = 1
 ) -> float:
-    rounds = [[list(edge.ranks) for edge in edges] for edges in topology.rounds]
-    return sum(max(compute, exchange_seconds(g, model_bytes, cluster, buckets)) for g in rounds) / len(rounds)
+    total = 0.0
+    for r, stages in enumerate(topology.stages):
+        times = [exchange_seconds([list(e.ranks) for e in edges], model_bytes, cluster, buckets) for edges in stages]
+        overlapped = times[topology.async_stage(r)]
+        total += max(compute, overlapped) + sum(times) - overlapped
+    return total / topology.period
 
 
 def allreduce_iteration(
@@ -137,8 +142,9 @@ def predict(
 ) -> None:
     print(f"per iteration: compute {compute * 1e3:.0f} ms, model {model_bytes / 1e6:.0f} MB in {buckets} buckets, "
           f"{gpus_per_node} GPUs per node, all-reduce overlaps {overlap:.0%} of compute")
-    print("| cluster | GPUs | all-reduce ms | ring ms | one-peer-exp ms | alternating-exp-ring ms | best speedup |")
-    print("|---|---|---|---|---|---|---|")
+    print("| cluster | GPUs | all-reduce ms | ring ms | one-peer-exp ms | alternating-exp-ring ms | hierarchical ms "
+          "| best speedup |")
+    print("|---|---|---|---|---|---|---|---|")
     for label, base in CLUSTERS.items():
         cluster = Cluster(base.name, base.inter_bandwidth, base.inter_latency, base.intra_bandwidth,
                           base.intra_latency, gpus_per_node)
@@ -146,7 +152,7 @@ def predict(
             ar = allreduce_iteration(n, compute, model_bytes, cluster, overlap, buckets)
             gossip = {
                 t: gossip_iteration(build_topology(t, n, gpus_per_node), compute, model_bytes, cluster, buckets)
-                for t in ("ring", "one-peer-exp", "alternating-exp-ring")
+                for t in ("ring", "one-peer-exp", "alternating-exp-ring", "hierarchical")
             }
             print(f"| {label} | {n} | {ar * 1e3:.1f} | " + " | ".join(f"{s * 1e3:.1f}" for s in gossip.values())
                   + f" | {ar / min(gossip.values()):.2f}x |")

@@ -221,10 +221,18 @@ def test_an_invalid_custom_topology() -> None:
 @pytest.mark.parametrize("kwargs, message", [
     (dict(grad_clip_norm=-1.0), "grad_clip_norm must be >= 0"),
     (dict(bucket_size_in_mb=-5), "bucket_size_in_mb must be >= 0"),
+    (dict(global_avg_every=-1), "global_avg_every must be >= 0"),
+    (dict(message_size_in_mb=-1), "message_size_in_mb must be >= 0"),
 ])
 def test_bad_arguments(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         DecentralizedDataParallel(make_model(), SGD, **kwargs)
+
+
+def test_too_many_messages_per_bucket() -> None:
+    model = nn.Linear(300, 300).double()  # 722 kB: more than 65536 messages of one byte
+    with pytest.raises(ValueError, match="messages, more than 65536"):
+        DecentralizedDataParallel(model, SGD, message_size_in_mb=2**-20)
 
 
 def test_different_models_on_different_ranks_are_reported() -> None:

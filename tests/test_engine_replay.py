@@ -59,6 +59,7 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "no_bucket_view": ({}, dict(param_as_bucket_view=False)),
     "adaptive_factor": (dict(adaptive_factor=0.3), {}),
     "one_bucket": ({}, dict(bucket_size_in_mb=25)),
+    "split_messages": ({}, dict(bucket_size_in_mb=25, message_size_in_mb=0.0002)),  # ~200-byte messages
     "micro_batches": (dict(micro_batches=3), {}),
     "clip": (dict(grad_clip_norm=0.05), {}),
 }

@@ -90,6 +90,8 @@ def test_bytes_per_step_by_hand() -> None:
     assert gossip_bytes_per_step(build_topology("ring", 5, 5), 0, total) == (1600 + 2 * 2 / 3 * 1600) / 2
     assert gossip_bytes_per_step(build_topology("ring", 1, 1), 0, total) == 0
     assert allreduce_bytes_per_step(8, 1600) == 2 * 7 / 8 * 1600 and allreduce_bytes_per_step(1, 1600) == 0
+    # hierarchical, 2 nodes of 3: a pair between nodes, then a group of 3 within the node, in every round
+    assert gossip_bytes_per_step(build_topology("hierarchical", 6, 3), 4, total) == 1600 + 2 * 2 / 3 * 1600
 
 
 def test_wandb_offline_files_hold_the_metrics(tmp_path: Path) -> None:

@@ -47,3 +47,10 @@ def test_iterations_overlap_as_documented() -> None:
     assert rm.gossip_iteration(ring, 0.2, 50 * MB, LINKS) == pytest.approx((0.2 + max(0.2, across)) / 2)
     allreduce = rm.exchange_seconds([[0, 1, 2, 3]], 50 * MB, LINKS)
     assert rm.allreduce_iteration(4, 0.2, 50 * MB, LINKS, overlap=0.5) == pytest.approx(max(0.2, 0.1 + allreduce))
+
+
+def test_a_round_of_stages_overlaps_only_its_stage_between_nodes() -> None:
+    hierarchical = build_topology("hierarchical", 4, 2)  # one round: (0,2) (1,3) across nodes, then (0,1) (2,3)
+    across = rm.exchange_seconds([[0, 2], [1, 3]], 50 * MB, LINKS)  # 1.0 s: node 0's link carries 2 x 50 MB
+    within = rm.exchange_seconds([[0, 1], [2, 3]], 50 * MB, LINKS)
+    assert rm.gossip_iteration(hierarchical, 0.2, 50 * MB, LINKS) == pytest.approx(max(0.2, across) + within)

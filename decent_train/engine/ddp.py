@@ -18,6 +18,14 @@ So the exchange overlaps the rest of backward, data loading and the next forward
 send/receive straight from the parameter memory and one average; a larger group all-reduces a copy. With gradient
 clipping or a GradScaler every gradient must be known before any bucket steps (global norm, overflow on any worker),
 so steps move to the end of backward; the exchange still overlaps the next forward.
+
+A round of several stages (hierarchical topologies) keeps its intermediate result in a staging buffer, so the
+parameters change only at the mix and the gradient is still taken at x^s.
+
+Modes. ``topology="allreduce"`` (or ``switch_to("allreduce")``) averages each bucket's gradients instead, launched
+asynchronously as the bucket completes and waited for at the end of backward, where the buckets step: torch DDP's
+algorithm with the same optimizer-in-bucket structure, so ``switch_to`` between modes and topologies keeps every
+optimizer and scheduler state.
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ _SECOND_BACKWARD = (
     "set_accumulate_grad(True) for all but the last micro-batch."
 )
 _ALIGN = 32  # elements: every parameter starts 64-256 bytes aligned inside its bucket
+_MESSAGE_TAGS = 1 << 16  # p2p tags per bucket: message i of bucket b is tagged b * _MESSAGE_TAGS + i
 
 
 class ExchangeError(RuntimeError):
@@ -186,6 +195,10 @@ class DecentralizedDataParallel(nn.Module):
             ``$LOCAL_WORLD_SIZE`` or 1. ``_local_world_size`` is decent-dp's spelling.
         timeout: seconds an exchange may take before it fails with an error naming the peers (a peer that hangs
             or died); None waits as long as the process group's own timeout.
+        global_avg_every: replace every worker's parameters by the exact average after every k-th gossip step.
+        message_size_in_mb: a pair sends its bucket in messages of at most this size (0: one message). Over a
+            rate-limited TCP link one 26 MB gloo message ran at half the link's rate where 1 MB messages kept up
+            (scripts/BENCHMARKS.md); on loopback the split cost 4-5%.
     """
 
     FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -205,6 +218,7 @@ class DecentralizedDataParallel(nn.Module):
         _local_world_size: int | None = None,
         timeout: float | None = None,
         global_avg_every: int = 0,
+        message_size_in_mb: float = 0,
     ):
         super().__init__()
         if grad_clip_norm < 0:
@@ -215,6 +229,9 @@ class DecentralizedDataParallel(nn.Module):
             raise ValueError(f"timeout must be > 0 seconds (or None), got {timeout}")
         if global_avg_every < 0:
             raise ValueError(f"global_avg_every must be >= 0 (0 disables), got {global_avg_every}")
+        if message_size_in_mb < 0:
+            raise ValueError(f"message_size_in_mb must be >= 0 (0: one message per bucket), got {message_size_in_mb}")
+        self._message_bytes = max(1, int(message_size_in_mb * 2**20)) if message_size_in_mb else 0
         self._global_avg_every = int(global_avg_every)
         self._timeout = timedelta(seconds=timeout) if timeout is not None else None
         distributed = dist.is_available() and dist.is_initialized()
@@ -247,6 +264,12 @@ class DecentralizedDataParallel(nn.Module):
         self._check_same_model_everywhere()
         self._broadcast_from_rank0()
         self._buckets = self._build_buckets(optim_fn, lr_scheduler_fn, bucket_size_in_mb * 2**20)
+        messages = max((len(self._message_pieces(b.flat)) for b in self._buckets), default=0)
+        if messages > _MESSAGE_TAGS:
+            raise ValueError(
+                f"message_size_in_mb={message_size_in_mb} splits a bucket into {messages} messages, more than "
+                f"{_MESSAGE_TAGS}; use larger messages"
+            )
         for bucket in self._buckets:
             for param in bucket.params:
                 param.register_post_accumulate_grad_hook(lambda p, b=bucket: self._on_grad_ready(b, p))
@@ -526,14 +549,25 @@ class DecentralizedDataParallel(nn.Module):
             return []
         if edge.size == 2:
             peer = edge.ranks[0] if edge.ranks[1] == self._rank else edge.ranks[1]
+            pieces = zip(self._message_pieces(value), self._message_pieces(bucket.comm))
             return dist.batch_isend_irecv(
                 [
-                    dist.P2POp(dist.isend, value, peer, tag=bucket.index),
-                    dist.P2POp(dist.irecv, bucket.comm, peer, tag=bucket.index),
+                    op
+                    for i, (send, receive) in enumerate(pieces)
+                    for op in (
+                        dist.P2POp(dist.isend, send, peer, tag=_MESSAGE_TAGS * bucket.index + i),
+                        dist.P2POp(dist.irecv, receive, peer, tag=_MESSAGE_TAGS * bucket.index + i),
+                    )
                 ]
             )
         bucket.comm.copy_(value)
         return [dist.all_reduce(bucket.comm, group=edge.group, async_op=True)]
+
+    def _message_pieces(self, flat: Tensor) -> tuple[Tensor, ...]:
+        """``flat`` as the messages a pair sends: one, or pieces of ``message_size_in_mb``."""
+        if not self._message_bytes:
+            return (flat,)
+        return flat.split(max(1, self._message_bytes // flat.element_size()))
 
     @staticmethod
     def _stage_coefficients(edge: Edge) -> tuple[float, float]:
