@@ -72,3 +72,22 @@ def test_benchmark_with_a_link_per_worker(tmp_path: Path) -> None:
     assert "--rdzv-endpoint=10.213.0.1:29500" in proc.stdout and "--local-addr=10.213.0.2" in proc.stdout
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     assert not [n for n in namespaces if re.fullmatch(r"db\d+(s|w\d+)", n)]  # every namespace it made is gone
+
+
+def test_overhead_benchmark_runs_both_loops_on_cpu(tmp_path: Path) -> None:
+    """The single-worker overhead mode, shrunk to run on CPU; on a GPU the defaults are ResNet-50 and GPT-2 small."""
+    script = SCRIPT.parent / "bench_overhead.py"
+    out = tmp_path / "overhead.json"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--device=cpu", "--precision=bf16", "--image-size=32", "--batch-resnet=2",
+         "--batch-gpt=2", "--context=16", "--vocab=64", "--gpt-layers=1", "--gpt-heads=2", "--gpt-width=32",
+         "--steps=2", "--warmup=1", "--repeats=1", f"--json={out}"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"resnet50", "gpt2"}
+    for r in results.values():
+        assert r["plain_over_engine"] == pytest.approx(r["plain_ms"] / r["engine_ms"])
+        assert r["plain_ms"] > 0 and r["engine_ms"] > 0
+    assert "| resnet50 |" in proc.stdout and "| gpt2 |" in proc.stdout

@@ -120,7 +120,7 @@ def test_crashing_worker_fails_the_command_with_its_error(tmp_path: Path) -> Non
 
 
 BAD_INPUTS = {
-    "unknown option": (["topology=rng"], ["topology=rng", "complete, one-peer-exp, ring"]),
+    "unknown option": (["topology=rng"], ["topology=rng", "complete, hierarchical, one-peer-exp, ring"]),
     "unknown key": (["optim.lrr=0.1"], ["optim.lrr", "lr, weight_decay"]),
     "wrong type": (["seed=abc"], ["seed", "abc"]),
     "topology vs workers": (["topology=one-peer-exp", "launch.nproc_per_node=3"], ["one-peer-exp", "3 workers"]),

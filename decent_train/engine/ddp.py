@@ -198,7 +198,7 @@ class DecentralizedDataParallel(nn.Module):
         global_avg_every: replace every worker's parameters by the exact average after every k-th gossip step.
         message_size_in_mb: a pair sends its bucket in messages of at most this size (0: one message). Over a
             rate-limited TCP link one 26 MB gloo message ran at half the link's rate where 1 MB messages kept up
-            (scripts/BENCHMARKS.md); on loopback the split cost 4-5%.
+            (scripts/BENCHMARKS.md); on loopback the split cost 7-13%.
     """
 
     FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -679,6 +679,8 @@ class DecentralizedDataParallel(nn.Module):
         """
         if self._armed or self._backward_started:
             raise RuntimeError("switch_to() between steps only: after backward, before the next training forward")
+        if self._global_average is not None:
+            raise RuntimeError("switch_to() inside global_avg(will_revert=True): call revert_global_avg() first")
         phase = self._make_phase(topology, start=self._step)
         if phase.allreduce:
             self.global_avg(will_revert=False)

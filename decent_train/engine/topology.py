@@ -408,7 +408,9 @@ class HierarchicalTopology(Topology):
     (within the node, over its fast links): the node's workers average. Each round uses every node's link once, and
     with as many workers per node as log2(N) a node mixes with all of its hypercube neighbours in every round.
     Needs a power-of-two number of nodes N = world_size / local_world_size. One node: ``complete``; one worker per
-    node: ``one-peer-exp`` over the nodes.
+    node: ``one-peer-exp`` over the nodes. Every worker sends its whole model between nodes each round, and only to
+    the same local rank elsewhere: it suits nodes with a NIC per GPU (rail-aligned); with one NIC per node,
+    ``alternating-exp-ring`` moves fewer bytes between nodes.
     """
 
     def _get_topo_stages(self) -> list[Stages]:
