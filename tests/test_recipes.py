@@ -155,14 +155,19 @@ def test_recipe_runs_from_the_command_line(data_dirs: dict[str, Path], tmp_path:
     assert json.loads((tmp_path / "run" / RESULT_FILE).read_text())["steps"] == 2
 
 
-def test_topology_sweep_runs_one_job_per_topology(tmp_path: Path) -> None:
+def dry_sweep(recipe: str, tmp_path: Path) -> list[Path]:
+    """``decent-train -m -cn RECIPE dry_run=true``: each job's resolved config, in job order (fewer than 10 jobs)."""
     exe = Path(sys.executable).parent / "decent-train"
     proc = subprocess.run(
-        [str(exe), "-m", "-cn", "topology_sweep", "dry_run=true", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+        [str(exe), "-m", "-cn", recipe, "dry_run=true", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    jobs = sorted((tmp_path / "sweep").glob("*/resolved_config.yaml"))
+    return sorted((tmp_path / "sweep").glob("*/resolved_config.yaml"))
+
+
+def test_topology_sweep_runs_one_job_per_topology(tmp_path: Path) -> None:
+    jobs = dry_sweep("topology_sweep", tmp_path)
     builtin = {"complete", "ring", "one-peer-exp", "alternating-exp-ring"}
     assert builtin <= set(topology_names())
     assert {OmegaConf.load(j).topology.name for j in jobs} == builtin and len(jobs) == len(builtin)
@@ -175,13 +180,7 @@ def test_cpu_phases_warms_up_with_allreduce_then_gossips() -> None:
 
 
 def test_phases_sweep_compares_three_schedules(tmp_path: Path) -> None:
-    exe = Path(sys.executable).parent / "decent-train"
-    proc = subprocess.run(
-        [str(exe), "-m", "-cn", "phases_sweep", "dry_run=true", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    jobs = sorted((tmp_path / "sweep").glob("*/resolved_config.yaml"))
+    jobs = dry_sweep("phases_sweep", tmp_path)
     plans = [[(p.algorithm, p.topology, p.steps) for p in OmegaConf.load(j).phases] for j in jobs]
     assert plans == [
         [("allreduce", None, 60), ("decentralized", "ring", None)],

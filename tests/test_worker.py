@@ -255,3 +255,13 @@ def test_channels_last_and_compile_train_the_same_model(tmp_path: Path, compile:
     )
     average = average_model(cfg, data, models)
     check_run(cfg, average, losses, data)
+
+
+def test_phases_longer_than_an_epoch_based_run_fail_before_training(tmp_path: Path) -> None:
+    """With epochs, the step count is known only in the worker: it refuses a last phase that would never run."""
+    from .distributed import WorkerError
+
+    cfg = make_cfg(tmp_path, steps=0, epochs=0.1, phases=[{"algorithm": "allreduce", "steps": 10_000}, {}])
+    with pytest.raises(WorkerError, match="phases before the last take 10000 steps, but the run has 3 "):
+        run_workers(_train, WORLD, cfg)
+    assert not (tmp_path / METRICS_FILE).exists()

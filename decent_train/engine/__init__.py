@@ -1,6 +1,12 @@
 """The engine: DecentralizedDataParallel, its topologies and optimizers."""
 
-from decent_train.engine.ddp import ALLREDUCE, LR_SCHEDULER_FN_TYPE, OPTIM_FN_TYPE, DecentralizedDataParallel, ExchangeError
+from decent_train.engine.ddp import (
+    ALLREDUCE,
+    LR_SCHEDULER_FN_TYPE,
+    OPTIM_FN_TYPE,
+    DecentralizedDataParallel,
+    ExchangeError,
+)
 from decent_train.engine.optim import (
     AccumAdam,
     AccumAdamW,
