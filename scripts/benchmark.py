@@ -16,11 +16,14 @@ per worker, joined to a bridge by a veth pair limited to R in each direction, an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,6 +32,15 @@ HERE = Path(__file__).resolve().parent
 # bench_engine.py's options as this command sets them by default; any of its options given here come after and win.
 BENCH_DEFAULTS = ["--topologies=ring,complete,one-peer-exp,alternating-exp-ring", "--steps=30", "--warmup=5",
                   "--repeats=5", "--width=1280", "--depth=4", "--batch=64"]
+
+
+def remove_namespace(name: str) -> None:
+    """Kill what still runs inside (a stopped launch's workers), then delete the namespace."""
+    pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
 @contextmanager
@@ -56,7 +68,7 @@ def emulated_network(rate: str | None, delay: str | None) -> Iterator[list[str]]
     except subprocess.CalledProcessError as error:
         sys.exit(f"benchmark.py: {' '.join(error.cmd)} failed: {error.stderr.strip()}")
     finally:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        remove_namespace(name)
 
 
 @contextmanager
@@ -92,11 +104,13 @@ def per_worker_links(rate: str, workers: int) -> Iterator[list[list[str]]]:
         sys.exit(f"benchmark.py: {' '.join(error.cmd)} failed: {error.stderr.strip()}")
     finally:
         for name in [*names, switch]:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            remove_namespace(name)
 
 
-def run_one(prefixes: list[list[str]], workers: int, bench_args: list[str], out: Path) -> dict:
-    """One launch: a single torchrun agent (one prefix), or one agent per worker, each in its own namespace."""
+def run_one(prefixes: list[list[str]], workers: int, bench_args: list[str], out: Path, timeout: float) -> dict:
+    """One launch: a single torchrun agent (one prefix), or one agent per worker, each in its own namespace; stopped
+    after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
     result = out / f"workers{workers}.json"
     bench = [str(HERE / "bench_engine.py"), *BENCH_DEFAULTS, *bench_args, f"--json={result}"]
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
@@ -112,12 +126,27 @@ def run_one(prefixes: list[list[str]], workers: int, bench_args: list[str], out:
     for command in commands:
         print(f"$ {' '.join(command)}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in commands]
-    outputs = [proc.communicate() for proc in procs]
-    for proc, (_, stderr) in zip(procs, outputs):
+    # Each agent writes to files, not pipes: waiting on one agent while another fills its pipe would deadlock them.
+    logs = [(out / f"workers{workers}.agent{k}.out", out / f"workers{workers}.agent{k}.err") for k in range(len(commands))]
+    with contextlib.ExitStack() as files:
+        procs = [
+            subprocess.Popen(c, env=env, stdout=files.enter_context(o.open("w")), stderr=files.enter_context(e.open("w")),
+                             start_new_session=True)  # a process group each: a stop reaches the workers too
+            for c, (o, e) in zip(commands, logs)
+        ]
+        try:
+            for proc in procs:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for proc in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            sys.exit(f"benchmark.py: the launch with {workers} workers took over {timeout:g} s and was stopped; "
+                     f"its output: {', '.join(str(e) for _, e in logs)}")
+    for proc, (_, err) in zip(procs, logs):
         if proc.returncode != 0:
-            sys.exit(f"benchmark.py: the launch with {workers} workers failed:\n{stderr[-3000:]}")
-    print("".join(stdout for stdout, _ in outputs), flush=True)
+            sys.exit(f"benchmark.py: the launch with {workers} workers failed:\n{err.read_text()[-3000:]}")
+    print("".join(o.read_text() for o, _ in logs), flush=True)
     return json.loads(result.read_text())
 
 
@@ -157,6 +186,7 @@ def main() -> None:
     p.add_argument("--links", choices=("shared", "per-worker"), default="shared",
                    help="with --rate: one link shared by all workers, or one per worker")
     p.add_argument("--out", type=Path, default=Path("bench"))
+    p.add_argument("--timeout", type=float, default=3600, help="seconds a launch may take before it is stopped")
     args, bench_args = p.parse_known_args()
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -164,12 +194,12 @@ def main() -> None:
     if args.rate and args.links == "per-worker":
         for workers in [int(w) for w in args.workers.split(",")]:
             with per_worker_links(args.rate, workers) as prefixes:
-                runs[workers] = run_one(prefixes, workers, bench_args, args.out)
+                runs[workers] = run_one(prefixes, workers, bench_args, args.out, args.timeout)
         network = f"a {args.rate} link per worker"
     else:
         with emulated_network(args.rate, args.delay) as prefix:
             for workers in [int(w) for w in args.workers.split(",")]:
-                runs[workers] = run_one([prefix], workers, bench_args, args.out)
+                runs[workers] = run_one([prefix], workers, bench_args, args.out, args.timeout)
         delay = f", +{args.delay} delay" if args.delay else ""
         network = f"loopback limited to {args.rate}{delay}" if args.rate else "loopback"
     summary = {"argv": sys.argv, "network": network, "runs": runs}

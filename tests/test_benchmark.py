@@ -62,7 +62,7 @@ def test_benchmark_with_a_link_per_worker(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--workers=2", "--rate=10gbit", "--links=per-worker", "--width=32", "--depth=1",
-         "--batch=8", "--steps=2", "--warmup=1", "--repeats=1", "--topologies=ring", f"--out={out}"],
+         "--batch=8", "--steps=2", "--warmup=1", "--repeats=1", "--topologies=ring", f"--out={out}", "--timeout=200"],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
@@ -72,6 +72,25 @@ def test_benchmark_with_a_link_per_worker(tmp_path: Path) -> None:
     assert "--rdzv-endpoint=10.213.0.1:29500" in proc.stdout and "--local-addr=10.213.0.2" in proc.stdout
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     assert not [n for n in namespaces if re.fullmatch(r"db\d+(s|w\d+)", n)]  # every namespace it made is gone
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+    reason="network namespaces need root and iproute2",
+)
+def test_a_launch_over_its_time_is_stopped_and_its_namespaces_removed(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--workers=2", "--rate=10gbit", "--links=per-worker", "--width=32", "--depth=1",
+         "--batch=8", "--steps=2", "--warmup=1", "--repeats=1", "--topologies=ring", f"--out={tmp_path}",
+         "--timeout=3"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "the launch with 2 workers took over 3 s and was stopped" in proc.stderr
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    assert not [n for n in namespaces if re.fullmatch(r"db\d+(s|w\d+)", n)]
+    leftover = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    assert not leftover, "a worker of the stopped launch is still running"
 
 
 def test_overhead_benchmark_runs_both_loops_on_cpu(tmp_path: Path) -> None:
