@@ -167,11 +167,17 @@ class TrainConfig:
                 raise ValueError(f"{where}.steps is null, but only the last phase may run until the end")
             if phase.steps is not None and phase.steps < 1:
                 raise ValueError(f"{where}.steps={phase.steps} must be >= 1 (or null in the last phase: until the end)")
-        fixed = sum(p.steps or 0 for p in self.phases[:-1])
-        if self.steps and fixed >= self.steps:
+        if self.steps:
+            self.check_phases_fit(self.steps, f"steps={self.steps}")
+
+    def check_phases_fit(self, total_steps: int, run: str) -> None:
+        """The last phase must start before the run ends (with ``epochs`` the step count is known only in the
+        worker, which calls this again); ``run`` says how the run's length was given."""
+        before_last = self.phase_starts()[-1][0]
+        if self.phases and before_last >= total_steps:
             raise ValueError(
-                f"phases before the last take {fixed} steps, but the run has steps={self.steps}: the last phase "
-                "would never run"
+                f"phases before the last take {before_last} steps, but the run has {run}: the last phase would "
+                "never run"
             )
 
     def phase_starts(self) -> list[tuple[int, str]]:

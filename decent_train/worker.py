@@ -275,11 +275,7 @@ def train(cfg: TrainConfig, run_dir: Path, device: torch.device, on_record: OnRe
 
     steps_per_epoch = max(1, data.micro_batches_per_epoch(batch_size, world) // cfg.accum_steps)
     total_steps = cfg.steps or math.ceil(cfg.epochs * steps_per_epoch)
-    if cfg.phases and cfg.phase_starts()[-1][0] >= total_steps:  # with epochs, known only here
-        raise ValueError(
-            f"phases before the last take {cfg.phase_starts()[-1][0]} steps, but the run has {total_steps} "
-            f"({cfg.epochs:g} epochs of {steps_per_epoch} steps): the last phase would never run"
-        )
+    cfg.check_phases_fit(total_steps, f"{total_steps} steps ({cfg.epochs:g} epochs of {steps_per_epoch} steps)")
     precision = Precision(cfg.precision, device)
     algorithm = Decentralized if cfg.algorithm == "decentralized" else AllReduce
     schedule = make_scheduler_fn(cfg.scheduler, total_steps, steps_per_epoch)

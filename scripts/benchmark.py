@@ -43,17 +43,40 @@ def remove_namespace(name: str) -> None:
     subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
+def require_root_and_iproute2(option: str) -> None:
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        sys.exit(f"benchmark.py: {option} needs root and iproute2 (ip, tc) for network namespaces; run without --rate")
+
+
+def token_bucket(rate: str) -> list[str]:
+    """The tc qdisc that limits a device to ``rate``."""
+    return ["tbf", "rate", rate, "burst", "1mb", "latency", "100ms"]
+
+
+@contextmanager
+def namespaces(names: list[str], commands: list[list[str]]) -> Iterator[None]:
+    """Run the commands that build the namespaces ``names``; remove them (and what runs inside) afterwards."""
+    try:
+        for command in commands:
+            subprocess.run(command, check=True, capture_output=True, text=True)
+        yield
+    except subprocess.CalledProcessError as error:
+        sys.exit(f"benchmark.py: {' '.join(error.cmd)} failed: {error.stderr.strip()}")
+    finally:
+        for name in names:
+            remove_namespace(name)
+
+
 @contextmanager
 def emulated_network(rate: str | None, delay: str | None) -> Iterator[list[str]]:
     """The command prefix that runs inside a namespace whose loopback is limited to ``rate`` (nothing if None)."""
     if rate is None:
         yield []
         return
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
-        sys.exit("benchmark.py: --rate needs root and iproute2 (ip, tc) for a network namespace; run without --rate")
+    require_root_and_iproute2("--rate")
     name = f"decent-bench-{os.getpid()}"
     commands = [["ip", "netns", "add", name], ["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"]]
-    shaping = ["tbf", "rate", rate, "burst", "1mb", "latency", "100ms"]
+    shaping = token_bucket(rate)
     if delay:  # netem adds the delay, tbf below it limits the rate
         commands.append(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "handle", "1:",
                          "netem", "delay", delay])
@@ -61,25 +84,18 @@ def emulated_network(rate: str | None, delay: str | None) -> Iterator[list[str]]
                          "10:", *shaping])
     else:
         commands.append(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", *shaping])
-    try:
-        for command in commands:
-            subprocess.run(command, check=True, capture_output=True, text=True)
+    with namespaces([name], commands):
         yield ["ip", "netns", "exec", name]
-    except subprocess.CalledProcessError as error:
-        sys.exit(f"benchmark.py: {' '.join(error.cmd)} failed: {error.stderr.strip()}")
-    finally:
-        remove_namespace(name)
 
 
 @contextmanager
 def per_worker_links(rate: str, workers: int) -> Iterator[list[list[str]]]:
     """One namespace per worker (address 10.213.0.k+1 on eth0), each linked to a bridge by a veth pair limited to
     ``rate`` each way; the command prefix of each."""
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
-        sys.exit("benchmark.py: --links per-worker needs root and iproute2 (ip, tc); run without --rate")
+    require_root_and_iproute2("--links per-worker")
     tag = f"db{os.getpid()}"
     switch, names = f"{tag}s", [f"{tag}w{k}" for k in range(workers)]
-    shaping = ["tbf", "rate", rate, "burst", "1mb", "latency", "100ms"]
+    shaping = token_bucket(rate)
     commands = [["ip", "netns", "add", switch], ["ip", "-n", switch, "link", "add", "br0", "type", "bridge"],
                 ["ip", "-n", switch, "link", "set", "br0", "up"]]
     for k, name in enumerate(names):
@@ -96,15 +112,8 @@ def per_worker_links(rate: str, workers: int) -> Iterator[list[list[str]]]:
             ["tc", "-n", name, "qdisc", "add", "dev", "eth0", "root", *shaping],  # the worker's uplink
             ["tc", "-n", switch, "qdisc", "add", "dev", outside, "root", *shaping],  # and its downlink
         ]
-    try:
-        for command in commands:
-            subprocess.run(command, check=True, capture_output=True, text=True)
+    with namespaces([*names, switch], commands):
         yield [["ip", "netns", "exec", name, "env", "GLOO_SOCKET_IFNAME=eth0"] for name in names]
-    except subprocess.CalledProcessError as error:
-        sys.exit(f"benchmark.py: {' '.join(error.cmd)} failed: {error.stderr.strip()}")
-    finally:
-        for name in [*names, switch]:
-            remove_namespace(name)
 
 
 def run_one(prefixes: list[list[str]], workers: int, bench_args: list[str], out: Path, timeout: float) -> dict:

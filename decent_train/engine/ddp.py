@@ -83,6 +83,7 @@ class _Phase:
     topology: Topology | None
     start: int
     my_stages: list[list[Edge]]  # gossip: this worker's group in each stage of each round
+    async_stages: list[int]  # gossip: the stage of each round that is overlapped with computation
 
     @property
     def allreduce(self) -> bool:
@@ -129,6 +130,7 @@ class _Bucket:
     ready: int = 0  # parameters whose gradient arrived in this backward
     staged: Tensor | None = None
     grads: Tensor | None = None
+    grad_views: list[Tensor] = field(default_factory=list)  # each parameter's slice of ``grads``
     gradient_works: list[Any] = field(default_factory=list)
 
     @property
@@ -144,10 +146,11 @@ class _Bucket:
         return self.staged
 
     def gradient_views(self) -> list[Tensor]:
-        """Each parameter's slice of ``grads``, laid out like the parameter."""
+        """Each parameter's slice of ``grads``, laid out like the parameter (allocated at the first call)."""
         if self.grads is None:
             self.grads = torch.zeros_like(self.flat)
-        return [_slice_like(self.grads, view.storage_offset(), view) for view in self.views]
+            self.grad_views = [_slice_like(self.grads, view.storage_offset(), view) for view in self.views]
+        return self.grad_views
 
 
 @dataclass
@@ -282,7 +285,7 @@ class DecentralizedDataParallel(nn.Module):
     def _make_phase(self, topology: str | Topology | type[Topology], start: int) -> _Phase:
         """Gossip over ``topology`` (built and its process groups created, a collective) or all-reduce."""
         if isinstance(topology, str) and topology == ALLREDUCE:
-            return _Phase(None, start, [])
+            return _Phase(None, start, [], [])
         key = topology if isinstance(topology, (str, type)) else id(topology)
         if key in self._topologies:  # built, and its process groups created, by an earlier phase
             topology = self._topologies[key]
@@ -303,7 +306,10 @@ class DecentralizedDataParallel(nn.Module):
                 f"topology '{topology.name}' has rounds of several stages; an optimizer with decent-dp's "
                 "pre_average_hook supports only one-stage rounds"
             )
-        return _Phase(topology, start, [topology.edges(r, self._rank) for r in range(topology.period)])
+        rounds = range(topology.period)
+        return _Phase(
+            topology, start, [topology.edges(r, self._rank) for r in rounds], [topology.async_stage(r) for r in rounds]
+        )
 
     def _check_same_model_everywhere(self) -> None:
         if self._world_size == 1:
@@ -494,8 +500,7 @@ class DecentralizedDataParallel(nn.Module):
         """Gossip: mix with the neighbours' x^s, take the local step, launch the exchange of x^{s+1}."""
         self._mix(bucket)
         self._step_bucket(bucket)
-        round_ = self._phase.round_of(self._step + 1)
-        self._launch(bucket, self._phase.my_stages[round_], self._phase.topology.async_stage(round_))
+        self._launch(bucket, self._phase.round_of(self._step + 1))
 
     def _step_bucket(self, bucket: _Bucket) -> None:
         if self._scaler is not None:
@@ -529,8 +534,10 @@ class DecentralizedDataParallel(nn.Module):
             param.grad = view
 
     # -- the exchange -------------------------------------------------------------------------------------------
-    def _launch(self, bucket: _Bucket, stages: list[Edge], async_stage: int) -> None:
-        """Start the exchange of x^{s+1}: the stages before ``async_stage`` now, that one in the background."""
+    def _launch(self, bucket: _Bucket, round_: int) -> None:
+        """Start the exchange of x^{s+1} in the current phase's round ``round_``: the stages before its overlapped
+        stage now, that one in the background."""
+        stages, async_stage = self._phase.my_stages[round_], self._phase.async_stages[round_]
         if all(edge.size == 1 for edge in stages):
             return
         if not self._param_as_bucket_view:
@@ -627,26 +634,24 @@ class DecentralizedDataParallel(nn.Module):
             k += 1
         own, other = self._stage_coefficients(edge)  # x_new = (1-alpha) x + alpha (own value + other comm)
         if hasattr(bucket.optimizer, "pre_average_hook"):  # one-stage rounds only (checked when the phase starts)
-            # decent-dp's contract: comm_buffer holds neighbor * (sum over the group) when the hook runs.
-            neighbor = 1.0 / edge.size if edge.is_uniform else edge.neighbor_weight
+            # decent-dp's contract: comm_buffer holds neighbor * (sum over the group) when the hook runs. A pair's
+            # comm holds the peer's value, so its sum gains our own and our coefficient loses the neighbour's share.
             if edge.size == 2:
                 bucket.comm.add_(bucket.flat)
-            bucket.comm.mul_(neighbor)
+                own -= other
+            bucket.comm.mul_(other)
             bucket.optimizer.pre_average_hook(edge, edge.weight)
-            own_excess = 0.0 if edge.is_uniform else edge.weight - neighbor
-            self._write_mix(bucket, bucket.flat, 1.0 - alpha + alpha * own_excess, alpha)
+            self._write_mix(bucket, bucket.flat, 1.0 - alpha + alpha * own, alpha)
         elif value is bucket.flat:
-            self._write_mix(bucket, None, 1.0 - alpha + alpha * own, alpha * other)
+            self._write_mix(bucket, bucket.flat, 1.0 - alpha + alpha * own, alpha * other)
         else:
             self._write_mix(bucket, value, alpha * own, alpha * other, keep=1.0 - alpha)
 
-    def _write_mix(
-        self, bucket: _Bucket, value: Tensor | None, own: float, other: float, keep: float | None = None
-    ) -> None:
-        """flat <- own * flat + other * comm, or with a staged ``value``: keep * flat + own * value + other * comm;
-        then into the parameters (when they are not views of flat). Zero terms are skipped."""
+    def _write_mix(self, bucket: _Bucket, value: Tensor, own: float, other: float, keep: float | None = None) -> None:
+        """flat <- own * flat + other * comm (``value`` is flat), or with a staged ``value``: keep * flat + own * value
+        + other * comm; then into the parameters (when they are not views of flat). Zero terms are skipped."""
         flat = bucket.flat
-        if value is None or value is flat:
+        if value is flat:
             if own == 0.0:
                 torch.mul(bucket.comm, other, out=flat)
             elif own != 1.0 or other != 0.0:
@@ -685,11 +690,12 @@ class DecentralizedDataParallel(nn.Module):
         if phase.allreduce:
             self.global_avg(will_revert=False)
             self._average_optimizer_states()
+            self._phase = phase
         else:
             self._drop_pending_exchanges()
+            self._phase = phase
             for bucket in self._buckets:
-                self._launch(bucket, phase.my_stages[0], phase.topology.async_stage(0))
-        self._phase = phase
+                self._launch(bucket, 0)
 
     def _average_optimizer_states(self) -> None:
         """Average each floating-point tensor of every optimizer's state (one all-reduce per dtype)."""
@@ -826,8 +832,7 @@ class DecentralizedDataParallel(nn.Module):
                 round_ = self._phase.round_of(self._step)
                 bucket.comm.copy_(saved["received"])
                 value = bucket.flat if saved.get("staged") is None else bucket.staging().copy_(saved["staged"])
-                stages = self._phase.my_stages[round_]
-                bucket.pending = _Exchange(stages, self._phase.topology.async_stage(round_), value, [])
+                bucket.pending = _Exchange(self._phase.my_stages[round_], self._phase.async_stages[round_], value, [])
 
     # -- accessors ----------------------------------------------------------------------------------------------
     def get_lr(self) -> float:
