@@ -43,6 +43,7 @@ from decent_train.components.optim import make_optim_fn, make_scheduler_fn
 from decent_train.config import METRICS_FILE, MODEL_FILE, PRECISIONS, RESULT_FILE, TrainConfig, load_config
 from decent_train.engine.ddp import DecentralizedDataParallel
 from decent_train.engine.optim import LRSchedulerFn
+from decent_train.engine.utils import exit_without_teardown
 
 
 class Precision:
@@ -557,12 +558,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     finally:
         dist.destroy_process_group()
-    # Everything is written and the process group is gone. Skip the interpreter's teardown: destroying gloo's
-    # threads there rarely aborts the process with SIGABRT after a successful run (seen in CI; pytorch PR #179291).
-    logger.complete()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    logger.complete()  # everything is written and the process group is gone
+    exit_without_teardown()
 
 
 if __name__ == "__main__":
