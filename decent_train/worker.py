@@ -43,7 +43,7 @@ from decent_train.components.optim import make_optim_fn, make_scheduler_fn
 from decent_train.config import METRICS_FILE, MODEL_FILE, PRECISIONS, RESULT_FILE, TrainConfig, load_config
 from decent_train.engine.ddp import DecentralizedDataParallel
 from decent_train.engine.optim import LRSchedulerFn
-from decent_train.engine.utils import exit_without_teardown
+from decent_train.engine.utils import exit_without_teardown, peers_must_answer
 
 
 class Precision:
@@ -248,7 +248,8 @@ def evaluate(net: nn.Module, cfg: TrainConfig, data: Datasets, device: torch.dev
         sums[0] += cross_entropy(logits.float(), y, reduction="sum").double()
         sums[1] += (logits.argmax(dim=-1) == y).sum()
         sums[2] += y.numel()
-    dist.all_reduce(sums)
+    with peers_must_answer("the evaluation's all-reduce"):
+        dist.all_reduce(sums)
     net.train(was_training)
     loss, correct, count = sums.tolist()
     return {"eval/loss": loss / count, "eval/accuracy": correct / count}
@@ -496,7 +497,8 @@ def _gather(values: list[float | torch.Tensor], device: torch.device) -> torch.T
     """Every worker's values, one row per rank (a few numbers: cheap)."""
     row = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
     rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, row)
+    with peers_must_answer("the gather of the workers' statistics"):
+        dist.all_gather(rows, row)
     return torch.stack(rows).cpu()
 
 
@@ -549,7 +551,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         train(cfg, run_dir, device)
         gc.collect()  # free the engine (its hooks make reference cycles) while its process groups are alive
-        dist.barrier()  # leave together: a peer tearing down gloo while others still talk to it aborts them
+        with peers_must_answer("the barrier at the end of training"):
+            dist.barrier()  # leave together: a peer tearing down gloo while others still talk to it aborts them
     except Exception as error:
         # The traceback goes to this rank's log and to the error file the launcher reports from; not to the console
         # of every rank.

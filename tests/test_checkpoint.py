@@ -6,6 +6,7 @@ engine's recurrence, and the data stream itself (which step first meets a poison
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -29,6 +30,7 @@ from decent_train.components.checkpoint import complete_checkpoints
 from decent_train.components.data import build_datasets
 from decent_train.config import MODEL_FILE, RESULT_FILE
 from decent_train.engine.ddp import ExchangeError
+from decent_train.engine.utils import peers_must_answer
 from decent_train.engine.optim import optim_fn_accum_adamw
 
 from .distributed import WorkerError, run_workers
@@ -128,6 +130,44 @@ def test_a_hanging_peer_is_an_error_after_the_timeout() -> None:
     )
     assert "Timed out" in outcome["message"]  # gloo's words: the wait ended by the limit, not by a lost connection
     assert 0.9 < outcome["seconds"] < 10
+
+
+def _collective_hang_worker(rank: int, workdir: str, result: str, collective: str) -> None:
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(os.path.join(workdir, "store"), 2), rank=rank, world_size=2,
+        timeout=timedelta(seconds=1),
+    )
+    if rank == 1:
+        time.sleep(20)  # hangs: never joins the collective
+        os._exit(0)
+    try:
+        with peers_must_answer(f"the {collective}"):
+            if collective == "barrier":
+                dist.barrier()
+            else:
+                dist.all_gather_object([None, None], {"file": "rank0.pt"})
+        message = "no error"
+    except ExchangeError as error:
+        message = str(error)
+    Path(result).write_text(json.dumps({"message": message}))
+    os._exit(0)
+
+
+@pytest.mark.parametrize("collective", ["barrier", "all_gather_object"])
+def test_a_collective_with_a_hanging_peer_fails_with_one_line_naming_it(collective: str) -> None:
+    """The worker's own collectives (checkpoint, statistics, evaluation) say what hung, as the engine's exchange does."""
+    ctx = multiprocessing.get_context("fork")
+    with tempfile.TemporaryDirectory() as workdir:
+        result = os.path.join(workdir, "result.json")
+        procs = [ctx.Process(target=_collective_hang_worker, args=(r, workdir, result, collective)) for r in range(2)]
+        for p in procs:
+            p.start()
+        procs[0].join(timeout=60)
+        procs[1].kill()
+        procs[1].join()
+        outcome = json.loads(Path(result).read_text())
+    assert outcome["message"].startswith(f"rank 0: the {collective} failed (a peer hangs or died): ")
+    assert "Timed out" in outcome["message"] and "\n" not in outcome["message"]
 
 
 # -- the worker: exact resume, corrupt files, mismatch, NaN ----------------------------------------------------------
@@ -290,7 +330,8 @@ def _hang(run_dir: Path, pid: int) -> None:
         if "a peer hangs or died" in (run_dir / "logs" / "rank0.log").read_text():
             break
         time.sleep(0.05)
-    os.kill(pid, signal.SIGCONT)
+    with contextlib.suppress(ProcessLookupError):  # the agent may have killed it already: it never answers a SIGTERM
+        os.kill(pid, signal.SIGCONT)
 
 
 FAULTS = {"killed": lambda run_dir, pid: os.kill(pid, signal.SIGKILL), "hanging": _hang}
@@ -318,7 +359,8 @@ def test_failed_worker_restarts_and_ends_like_an_uninterrupted_run(tmp_path: Pat
     result = json.loads((failed_dir / RESULT_FILE).read_text())
     assert 40 <= result["resumed_from_step"] < 600
     if fault == "hanging":  # it was the exchange's time limit that ended the first attempt
-        assert "failed (a peer hangs or died, limit 4 s)" in (failed_dir / "logs" / "rank0.log").read_text()
+        log = (failed_dir / "logs" / "rank0.log").read_text()  # whichever exchange or collective rank 0 was in
+        assert "failed (a peer hangs or died" in log and "Timed out" in log
 
     clean = decent_train(*job, f"hydra.run.dir={tmp_path / 'clean'}", cwd=tmp_path)
     check_succeeded(clean)

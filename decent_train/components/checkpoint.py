@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
+from decent_train.engine.utils import peers_must_answer
+
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 
@@ -108,7 +110,8 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], topology: s
     file = directory / f"rank{rank}.pt"
     sha256, size = _write_atomically(file, lambda f: torch.save(state, f))
     entries: list[Any] = [None] * world
-    dist.all_gather_object(entries, {"file": file.name, "sha256": sha256, "bytes": size})
+    with peers_must_answer(f"saving checkpoint {directory.name} (gathering the ranks' files)"):
+        dist.all_gather_object(entries, {"file": file.name, "sha256": sha256, "bytes": size})
     if rank == 0:
         manifest = {"step": step, "world_size": world, "topology": topology, "ranks": entries}
         _write_atomically(directory / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
@@ -117,7 +120,8 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], topology: s
         for partial in (run_dir / CHECKPOINTS).glob("step_*"):  # left by a run that died while writing
             if not (partial / MANIFEST).exists() and partial != directory:
                 shutil.rmtree(partial, ignore_errors=True)
-    dist.barrier()  # nobody goes on (or dies) before the checkpoint is complete
+    with peers_must_answer(f"saving checkpoint {directory.name} (the barrier after it)"):
+        dist.barrier()  # nobody goes on (or dies) before the checkpoint is complete
     return directory
 
 
@@ -152,7 +156,8 @@ def load_latest_checkpoint(run_dirs: list[Path], topology: str) -> tuple[Optiona
                 raise ValueError(mismatch)
             state, why = _read_own_file(checkpoint, rank)
             problems: list[Any] = [None] * world
-            dist.all_gather_object(problems, why)
+            with peers_must_answer(f"loading checkpoint {checkpoint.path.name}"):
+                dist.all_gather_object(problems, why)
             bad = [p for p in problems if p]
             if not bad:
                 return checkpoint, state

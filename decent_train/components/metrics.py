@@ -21,6 +21,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from decent_train.engine.topology import Topology
+from decent_train.engine.utils import peers_must_answer
 
 LEVELS = ("TRACE", "DEBUG", "INFO", "SUCCESS", "WARNING", "ERROR")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -175,11 +176,13 @@ def consensus_distance(params: list[Tensor]) -> tuple[float, float]:
     world = dist.get_world_size() if dist.is_initialized() else 1
     mean = mine.clone()
     if world > 1:
-        dist.all_reduce(mean)
+        with peers_must_answer("the consensus distance's all-reduce"):
+            dist.all_reduce(mean)
         mean.div_(world)
     squared = (mine - mean).double().square().sum().reshape(1)
     if world > 1:
-        dist.all_reduce(squared)
+        with peers_must_answer("the consensus distance's all-reduce"):
+            dist.all_reduce(squared)
     distance = math.sqrt(squared.item() / world)
     norm = mean.double().norm().item()
     return distance, distance / norm if norm > 0 else 0.0

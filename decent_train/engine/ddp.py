@@ -51,6 +51,7 @@ from torch.utils._pytree import tree_flatten
 
 from decent_train.engine.optim import LRSchedulerFn, OptimFn
 from decent_train.engine.topology import Edge, Topology, get_topology_class
+from decent_train.engine.utils import ExchangeError, peers_must_answer
 
 __all__ = ["ALLREDUCE", "DecentralizedDataParallel", "ExchangeError", "OPTIM_FN_TYPE", "LR_SCHEDULER_FN_TYPE"]
 
@@ -64,10 +65,6 @@ _SECOND_BACKWARD = (
 )
 _ALIGN = 32  # elements: every parameter starts 64-256 bytes aligned inside its bucket
 _MESSAGE_TAGS = 1 << 16  # p2p tags per bucket: message i of bucket b is tagged b * _MESSAGE_TAGS + i
-
-
-class ExchangeError(RuntimeError):
-    """A gossip exchange failed or timed out: a neighbour hangs or died."""
 
 
 ALLREDUCE = "allreduce"
@@ -488,7 +485,8 @@ class DecentralizedDataParallel(nn.Module):
             if found:
                 overflow = torch.stack([t.float() for t in found]).amax().reshape(1)
                 if self._world_size > 1:
-                    dist.all_reduce(overflow, op=dist.ReduceOp.MAX)
+                    with peers_must_answer(f"the overflow check at step {self._step}", self._timeout):
+                        dist.all_reduce(overflow, op=dist.ReduceOp.MAX)
                 for t in found:
                     t.copy_(overflow.reshape(()))
         if self._grad_clip_norm > 0:
@@ -607,16 +605,11 @@ class DecentralizedDataParallel(nn.Module):
 
     def _wait_works(self, works: list[Any], bucket: _Bucket, ranks: list[int], what: str) -> None:
         start = time.perf_counter()
-        try:
+        peers = [r for r in ranks if r != self._rank]
+        with peers_must_answer(f"the {what} of bucket {bucket.index} with rank(s) {peers} at step {self._step}",
+                               self._timeout):
             for work in works:
                 work.wait() if self._timeout is None else work.wait(self._timeout)
-        except RuntimeError as error:
-            peers = [r for r in ranks if r != self._rank]
-            limit = f", limit {self._timeout.total_seconds():g} s" if self._timeout is not None else ""
-            raise ExchangeError(
-                f"rank {self._rank}: the {what} of bucket {bucket.index} with rank(s) {peers} at step "
-                f"{self._step} failed (a peer hangs or died{limit}): {str(error).splitlines()[0]}"
-            ) from error
         self.comm_wait_seconds += time.perf_counter() - start
 
     def _mix(self, bucket: _Bucket) -> None:
@@ -749,7 +742,8 @@ class DecentralizedDataParallel(nn.Module):
 
     def _average_in_place(self, tensor: Tensor) -> None:
         if self._world_size > 1:
-            dist.all_reduce(tensor)
+            with peers_must_answer(f"the global average at step {self._step}", self._timeout):
+                dist.all_reduce(tensor)
             tensor.div_(self._world_size)
 
     def _float_buffers(self) -> list[Tensor]:

@@ -1,15 +1,41 @@
-"""Process-group setup for scripts launched by torchrun (decent-dp's ``initialize_dist``, without its pitfalls)."""
+"""Process groups for scripts launched by torchrun: setup (decent-dp's ``initialize_dist``, without its pitfalls), a
+clear error when a peer stops answering, and a clean exit."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
+from datetime import timedelta
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["initialize_dist", "exit_without_teardown"]
+__all__ = ["ExchangeError", "initialize_dist", "exit_without_teardown", "peers_must_answer"]
+
+
+class ExchangeError(RuntimeError):
+    """An exchange or collective between workers failed or timed out: a peer hangs or died."""
+
+
+@contextlib.contextmanager
+def peers_must_answer(what: str, timeout: timedelta | None = None) -> Iterator[None]:
+    """Wrap a collective (or the wait for one): its failure (a peer's closed connection, the time limit) becomes one
+    ``ExchangeError`` line naming this rank and ``what`` it was doing, instead of gloo's or NCCL's message alone.
+
+    Wrap only the communication itself: any RuntimeError inside is reported as a peer's failure.
+    """
+    try:
+        yield
+    except ExchangeError:
+        raise
+    except RuntimeError as error:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        limit = f", limit {timeout.total_seconds():g} s" if timeout is not None else ""
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ExchangeError(f"rank {rank}: {what} failed (a peer hangs or died{limit}): {first_line}") from error
 
 
 def initialize_dist() -> tuple[int, int]:
