@@ -15,6 +15,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -114,17 +115,23 @@ def _hang_worker(rank: int, workdir: str, result: str) -> None:
     os._exit(0)
 
 
-def test_a_hanging_peer_is_an_error_after_the_timeout() -> None:
+def _rank0_outcome_with_rank1_hanging(worker: Callable[..., None], *args: Any) -> dict[str, Any]:
+    """Run ``worker(rank, workdir, result_file, *args)`` on 2 forked ranks; rank 1 hangs and is killed once rank 0 has
+    written what happened to it."""
     ctx = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory() as workdir:
         result = os.path.join(workdir, "result.json")
-        procs = [ctx.Process(target=_hang_worker, args=(r, workdir, result)) for r in range(2)]
+        procs = [ctx.Process(target=worker, args=(r, workdir, result, *args)) for r in range(2)]
         for p in procs:
             p.start()
         procs[0].join(timeout=60)
         procs[1].kill()
         procs[1].join()
-        outcome = json.loads(Path(result).read_text())
+        return json.loads(Path(result).read_text())
+
+
+def test_a_hanging_peer_is_an_error_after_the_timeout() -> None:
+    outcome = _rank0_outcome_with_rank1_hanging(_hang_worker)
     assert outcome["message"].startswith(
         "rank 0: the exchange of bucket 0 with rank(s) [1] at step 2 failed (a peer hangs or died, limit 1 s): "
     )
@@ -156,16 +163,7 @@ def _collective_hang_worker(rank: int, workdir: str, result: str, collective: st
 @pytest.mark.parametrize("collective", ["barrier", "all_gather_object"])
 def test_a_collective_with_a_hanging_peer_fails_with_one_line_naming_it(collective: str) -> None:
     """The worker's own collectives (checkpoint, statistics, evaluation) say what hung, as the engine's exchange does."""
-    ctx = multiprocessing.get_context("fork")
-    with tempfile.TemporaryDirectory() as workdir:
-        result = os.path.join(workdir, "result.json")
-        procs = [ctx.Process(target=_collective_hang_worker, args=(r, workdir, result, collective)) for r in range(2)]
-        for p in procs:
-            p.start()
-        procs[0].join(timeout=60)
-        procs[1].kill()
-        procs[1].join()
-        outcome = json.loads(Path(result).read_text())
+    outcome = _rank0_outcome_with_rank1_hanging(_collective_hang_worker, collective)
     assert outcome["message"].startswith(f"rank 0: the {collective} failed (a peer hangs or died): ")
     assert "Timed out" in outcome["message"] and "\n" not in outcome["message"]
 
