@@ -195,7 +195,9 @@ class TrainConfig:
         if not checkpoints:
             raise ValueError(f"resume={self.resume} holds no complete checkpoint (checkpoints/step_*/manifest.json)")
         if self.launch.nproc_per_node is not None:
-            mismatch = checkpoints[0].describe_mismatch(self.launch.world_size, self.schedule())
+            mismatch = checkpoints[0].describe_mismatch(
+                self.launch.world_size, self.schedule(), self.model.architecture()
+            )
             if mismatch:
                 raise ValueError(f"resume={self.resume}: {mismatch}")
 

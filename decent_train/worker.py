@@ -281,10 +281,13 @@ def train(cfg: TrainConfig, run_dir: Path, device: torch.device, on_record: OnRe
     precision = Precision(cfg.precision, device)
     algorithm = Decentralized if cfg.algorithm == "decentralized" else AllReduce
     schedule = make_scheduler_fn(cfg.scheduler, total_steps, steps_per_epoch)
-    checkpoint, state = load_latest_checkpoint([run_dir] + ([Path(cfg.resume)] if cfg.resume else []), cfg.schedule())
+    checkpoint, state = load_latest_checkpoint(
+        [run_dir] + ([Path(cfg.resume)] if cfg.resume else []), cfg.schedule(), cfg.model.architecture()
+    )
     start_step = checkpoint.step if checkpoint is not None else 0  # this run's own (a restart), or cfg.resume's
     algo = algorithm(net, cfg, schedule, precision.scaler, start_step)
     if checkpoint is not None and state is not None:
+        _check_fits(net, state["model"], checkpoint.path)
         _restore(algo, state, device)
         logger.info(f"resumed from {checkpoint.path} (step {checkpoint.step})")
     trainable = [p for p in net.parameters() if p.requires_grad]
@@ -335,6 +338,20 @@ class Job:
     start_step: int  # steps already taken (a resumed run)
 
 
+def _check_fits(net: nn.Module, saved: dict[str, torch.Tensor], path: Path) -> None:
+    """One line naming the first tensor that differs, instead of load_state_dict's list (another dataset can change
+    the model's input or output size under the same model settings)."""
+    mine = net.state_dict()
+    for name in [*mine, *(k for k in saved if k not in mine)]:
+        here, there = mine.get(name), saved.get(name)
+        if here is None or there is None or here.shape != there.shape:
+            there_is, here_is = ("missing" if t is None else f"of shape {list(t.shape)}" for t in (there, here))
+            raise ValueError(
+                f"{path} holds another model: {name} is {there_is} there and {here_is} here; resume with the same "
+                "model and dataset settings"
+            )
+
+
 def _restore(algo: Decentralized | AllReduce, state: dict[str, Any], device: torch.device) -> None:
     """Continue from a checkpoint's state: the model, the algorithm's state and the random number generators."""
     algo.net.load_state_dict(state["model"])
@@ -354,7 +371,8 @@ def _checkpoint(job: Job, step: int) -> float:
         "rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state(job.device) if job.device.type == "cuda" else None,
     }
-    path = save_checkpoint(job.run_dir, step, state, job.cfg.schedule(), job.cfg.checkpoint.keep)
+    cfg = job.cfg
+    path = save_checkpoint(job.run_dir, step, state, cfg.schedule(), cfg.model.architecture(), cfg.checkpoint.keep)
     logger.debug(f"checkpoint {path}")
     return time.perf_counter() - start
 

@@ -10,6 +10,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -31,8 +32,8 @@ from decent_train.components.checkpoint import complete_checkpoints
 from decent_train.components.data import build_datasets
 from decent_train.config import MODEL_FILE, RESULT_FILE
 from decent_train.engine.ddp import ExchangeError
-from decent_train.engine.utils import peers_must_answer
 from decent_train.engine.optim import optim_fn_accum_adamw
+from decent_train.engine.utils import peers_must_answer
 
 from .distributed import WorkerError, run_workers
 from .replay import loss_fn, make_model, replay, snapshot, topology_for
@@ -261,6 +262,20 @@ def test_checkpoint_of_another_world_size_or_topology_is_refused(uninterrupted: 
         make_cfg(Path("/unused"), resume=str(uninterrupted), algorithm="allreduce")
     with pytest.raises(ValueError, match="holds no complete checkpoint"):
         make_cfg(Path("/unused"), resume="/no/such/run")
+
+
+def test_checkpoint_of_another_model_is_refused_by_name(uninterrupted: Path, tmp_path: Path) -> None:
+    """Another model's settings: the launcher says which before any worker starts. Another dataset under the same
+    settings (the input size differs): the worker names the first tensor that does not fit."""
+    with pytest.raises(ValueError, match=r"holds another model \(model.hidden_sizes=\[32\] there, \[64\] here\): "):
+        make_cfg(Path("/unused"), resume=str(uninterrupted), model={"hidden_sizes": [64]})
+    make_cfg(Path("/unused"), resume=str(uninterrupted), model={"dropout": 0.1})  # dropout shapes nothing
+    other_data = make_cfg(tmp_path, **CHECKPOINTED, resume=str(uninterrupted),
+                          dataset={"name": "synthetic", "input_shape": [1, 4, 4], "num_samples": 256})
+    first = next(iter(torch.load(uninterrupted / MODEL_FILE)))  # the model's first tensor: the input layer's weight
+    with pytest.raises(WorkerError, match=rf"ValueError: .*step_00000009 holds another model: {re.escape(first)} is "
+                                          r"of shape \[32, 64\] there and of shape \[32, 16\] here; "):
+        run_workers(_train, WORLD, other_data)
 
 
 def test_launcher_refuses_a_mismatched_resume_before_any_worker(uninterrupted: Path, tmp_path: Path) -> None:

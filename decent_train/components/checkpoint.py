@@ -2,7 +2,8 @@
 
 Layout: ``RUN_DIR/checkpoints/step_00000100/rank<k>.pt`` and ``manifest.json``. Each rank writes its file under a
 temporary name and renames it (atomic), hashing it on the way; after every rank has written, rank 0 writes the
-manifest (each file's sha256 and size, the step, the world size and the topology) the same way. A checkpoint without
+manifest (each file's sha256 and size, the step, the world size, the topology and the model's architecture) the same
+way. A checkpoint without
 a manifest is incomplete and never used. Loading checks every rank's file against the manifest: if any is truncated
 or corrupt, all ranks fall back to the previous complete checkpoint, with a warning naming the file.
 """
@@ -50,14 +51,20 @@ class Checkpoint:
     def step(self) -> int:
         return int(self.manifest["step"])
 
-    def describe_mismatch(self, world_size: int, topology: str) -> Optional[str]:
-        """Why this checkpoint cannot continue a run of ``world_size`` workers on ``topology`` (None: it can)."""
+    def describe_mismatch(self, world_size: int, topology: str, model: dict[str, Any]) -> Optional[str]:
+        """Why this checkpoint cannot continue a run of ``world_size`` workers on ``topology`` training ``model`` (its
+        ``ModelConfig.architecture()``); None: it can."""
         if self.manifest["world_size"] != world_size or self.manifest["topology"] != topology:
             return (
                 f"{self.path} was written by {self.manifest['world_size']} workers with topology "
                 f"{self.manifest['topology']!r}; this run has {world_size} workers with {topology!r}: resume with the "
                 "same launch.nnodes, launch.nproc_per_node and topology"
             )
+        theirs = self.manifest.get("model", model)  # older manifests do not say
+        if theirs != model:
+            differ = ", ".join(f"model.{k}={theirs.get(k)} there, {model.get(k)} here" for k in theirs | model
+                               if theirs.get(k) != model.get(k))
+            return f"{self.path} holds another model ({differ}): resume with the same model settings"
         return None
 
 
@@ -99,8 +106,11 @@ def complete_checkpoints(run_dir: Path) -> list[Checkpoint]:
     return sorted(found, key=lambda c: c.step, reverse=True)
 
 
-def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], topology: str, keep: int) -> Path:
-    """Every rank saves ``state``; rank 0 then writes the manifest and deletes all but the newest ``keep``.
+def save_checkpoint(
+    run_dir: Path, step: int, state: dict[str, Any], topology: str, model: dict[str, Any], keep: int
+) -> Path:
+    """Every rank saves ``state``; rank 0 then writes the manifest (with the ``topology`` and the ``model``'s
+    architecture that a resume must match) and deletes all but the newest ``keep``.
 
     Collective: every rank calls it at the same step.
     """
@@ -113,7 +123,7 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], topology: s
     with peers_must_answer(f"saving checkpoint {directory.name} (gathering the ranks' files)"):
         dist.all_gather_object(entries, {"file": file.name, "sha256": sha256, "bytes": size})
     if rank == 0:
-        manifest = {"step": step, "world_size": world, "topology": topology, "ranks": entries}
+        manifest = {"step": step, "world_size": world, "topology": topology, "model": model, "ranks": entries}
         _write_atomically(directory / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
         for old in complete_checkpoints(run_dir)[keep:]:
             shutil.rmtree(old.path, ignore_errors=True)
@@ -142,16 +152,18 @@ def _read_own_file(checkpoint: Checkpoint, rank: int) -> tuple[Optional[dict[str
     return torch.load(path, map_location="cpu", weights_only=True), ""
 
 
-def load_latest_checkpoint(run_dirs: list[Path], topology: str) -> tuple[Optional[Checkpoint], Optional[dict[str, Any]]]:
+def load_latest_checkpoint(
+    run_dirs: list[Path], topology: str, model: dict[str, Any]
+) -> tuple[Optional[Checkpoint], Optional[dict[str, Any]]]:
     """The newest checkpoint in ``run_dirs`` (in order of preference) that every rank can read, and this rank's state.
 
     Collective. A checkpoint with a bad file on any rank is skipped on all, with a warning; a checkpoint of another
-    world size or topology is an error (``ValueError``).
+    world size, topology or model is an error (``ValueError``).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     for run_dir in run_dirs:
         for checkpoint in complete_checkpoints(run_dir):
-            mismatch = checkpoint.describe_mismatch(world, topology)
+            mismatch = checkpoint.describe_mismatch(world, topology, model)
             if mismatch:
                 raise ValueError(mismatch)
             state, why = _read_own_file(checkpoint, rank)

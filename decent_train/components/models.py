@@ -4,13 +4,19 @@ image classification, and a GPT-2-style decoder for language modelling."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 MODEL_NAMES = ("mlp", "cnn", "resnet18", "resnet50", "gpt2")
+_SHAPE_KEYS = {  # the settings that shape each model (dropout does not)
+    "mlp": ("hidden_sizes",), "cnn": ("channels",), "resnet18": ("small_stem",), "resnet50": ("small_stem",),
+    "gpt2": ("layers", "heads", "width", "bias"),
+}
 
 
 @dataclass
@@ -40,6 +46,12 @@ class ModelConfig:
                 f"model.layers={self.layers}, model.heads={self.heads}, model.width={self.width} must be positive, "
                 "with width divisible by heads"
             )
+
+
+    def architecture(self) -> dict[str, Any]:
+        """What a checkpoint of this model must match: the name and the settings that shape it (JSON-ready)."""
+        values = {key: getattr(self, key) for key in _SHAPE_KEYS[self.name]}
+        return {"name": self.name} | {k: list(v) if isinstance(v, Sequence) else v for k, v in values.items()}
 
 
 def build_model(cfg: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
