@@ -10,6 +10,7 @@ Every rank builds, from the same seed, an MLP (``depth`` x Linear(width, width)+
 
 * ``local``: plain model and ``torch.optim.SGD`` after backward, no communication (the ideal limit);
 * ``decent_train/TOPOLOGY``: our DecentralizedDataParallel (optimizer steps inside backward), for each topology;
+  ``allreduce`` as a topology is the engine's gradient all-reduce mode;
 * ``decent_dp/TOPOLOGY``: decent-dp 0.2.3's class on the same topologies (skipped, with the reason, if it is not
   installed or the topology cannot serve this world size);
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` and SGD.
@@ -72,9 +73,10 @@ def build_ddp(model: nn.Module, topology: str, local_world_size: int) -> Step:
 
 
 def build_decent_train(model: nn.Module, topology: str, local_world_size: int, message_mb: float = 0) -> Step:
-    from decent_train import DecentralizedDataParallel, build_topology, optim_fn_sgd
+    from decent_train import ALLREDUCE, DecentralizedDataParallel, build_topology, optim_fn_sgd
 
-    build_topology(topology, dist.get_world_size(), local_world_size)  # a ValueError when it cannot serve them
+    if topology != ALLREDUCE:  # the engine's gradient all-reduce mode serves any world size
+        build_topology(topology, dist.get_world_size(), local_world_size)  # a ValueError when it cannot serve them
     optim_fn = partial(optim_fn_sgd, lr=0.01, momentum=0.9, weight_decay=0.0)
     wrapped = DecentralizedDataParallel(
         model, optim_fn, topology=topology, bucket_size_in_mb=25, local_world_size=local_world_size,

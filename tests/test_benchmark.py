@@ -21,17 +21,19 @@ def test_benchmark_measures_every_implementation_and_draws_the_chart(tmp_path: P
     out = tmp_path / "bench"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--workers=2", "--width=32", "--depth=1", "--batch=8", "--steps=2",
-         "--warmup=1", "--repeats=1", "--topologies=ring,alternating-exp-ring", f"--out={out}"],
+         "--warmup=1", "--repeats=1", "--topologies=ring,alternating-exp-ring,allreduce", f"--out={out}"],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     run = json.loads((out / "results.json").read_text())["runs"]["2"]
     results = run["results"]
     assert set(results) == {
-        "local", "ddp", "decent_train/ring", "decent_train/alternating-exp-ring", "decent_dp/ring"
-    }
+        "local", "ddp", "decent_train/ring", "decent_train/alternating-exp-ring", "decent_train/allreduce",
+        "decent_dp/ring",
+    }  # decent_train/allreduce: the engine's all-reduce mode
     # decent-dp 0.2.3 divides by zero where a worker is alone in a round: skipped, with the reason.
     assert "divides by zero" in run["skipped"]["decent_dp/alternating-exp-ring"]
+    assert "no topology 'allreduce'" in run["skipped"]["decent_dp/allreduce"]
     for name, r in results.items():
         assert r["median"] == pytest.approx(sorted(r["samples_per_s"])[0])  # one repeat: the median is it
         assert r["vs_local"] == pytest.approx(r["median"] / results["local"]["median"])

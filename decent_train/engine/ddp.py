@@ -23,7 +23,7 @@ A round of several stages (hierarchical topologies) keeps its intermediate resul
 parameters change only at the mix and the gradient is still taken at x^s.
 
 Modes. ``topology="allreduce"`` (or ``switch_to("allreduce")``) averages each bucket's gradients instead, launched
-asynchronously as the bucket completes and waited for at the end of backward, where the buckets step: torch DDP's
+asynchronously as the bucket completes; at the end of backward each bucket steps as soon as its sum arrives: torch DDP's
 algorithm with the same optimizer-in-bucket structure, so ``switch_to`` between modes and topologies keeps every
 optimizer and scheduler state.
 """
@@ -452,16 +452,17 @@ class DecentralizedDataParallel(nn.Module):
 
     @torch.no_grad()
     def _finish_backward(self) -> None:
-        """End of backward: the buckets left (unused parameters), the steps that wait for every gradient (all of them
-        in all-reduce mode or when steps are deferred), then the next step."""
+        """End of backward: the buckets left (unused parameters); in all-reduce mode each bucket's step once its
+        gradient sum arrives; the steps deferred until every gradient is there (clipping, fp16); then the next step."""
         for bucket in self._buckets[self._next_bucket :]:
             self._on_bucket_ready(bucket)
         if self._phase.allreduce:
-            for bucket in self._buckets:
+            for bucket in self._buckets:  # in launch order: each steps while the later buckets' sums are in flight
                 self._finish_gradient_average(bucket)
-        if self._phase.allreduce or self._defer_steps:
-            if self._defer_steps:
-                self._prepare_deferred_steps()
+                if not self._defer_steps:
+                    self._step_bucket(bucket)
+        if self._defer_steps:
+            self._prepare_deferred_steps()
             for bucket in self._buckets:
                 self._step_bucket(bucket) if self._phase.allreduce else self._process(bucket)
         if self._scaler is not None:
