@@ -32,6 +32,7 @@ RESOLVED_CONFIG = "resolved_config.yaml"
 METRICS_FILE = "metrics.jsonl"
 RESULT_FILE = "result.json"
 MODEL_FILE = "model.pt"
+DIVERGED_FILE = "diverged.txt"  # why training stopped on a NaN/inf loss: restarted workers do not train again
 
 
 @dataclass

@@ -40,7 +40,15 @@ from decent_train.components.metrics import (
 )
 from decent_train.components.models import build_model
 from decent_train.components.optim import make_optim_fn, make_scheduler_fn
-from decent_train.config import METRICS_FILE, MODEL_FILE, PRECISIONS, RESULT_FILE, TrainConfig, load_config
+from decent_train.config import (
+    DIVERGED_FILE,
+    METRICS_FILE,
+    MODEL_FILE,
+    PRECISIONS,
+    RESULT_FILE,
+    TrainConfig,
+    load_config,
+)
 from decent_train.engine.ddp import DecentralizedDataParallel
 from decent_train.engine.optim import LRSchedulerFn
 from decent_train.engine.utils import exit_without_teardown, peers_must_answer
@@ -265,6 +273,7 @@ def train(cfg: TrainConfig, run_dir: Path, device: torch.device, on_record: OnRe
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     run_dir.mkdir(parents=True, exist_ok=True)
+    _refuse_to_diverge_again(run_dir)
     batch_size = cfg.batch_size_per_worker(world)
     data = build_datasets(cfg.dataset)
     torch.manual_seed(cfg.seed)  # the same initial model on every worker
@@ -389,7 +398,21 @@ def _check_finite(first_bad_step: torch.Tensor, run_dir: Path) -> None:
         rank = int((steps == step).nonzero()[0])
         good = complete_checkpoints(run_dir)
         kept = f"the last good checkpoint is {good[0].path}" if good else "no checkpoint was written before it"
-        raise NonFiniteLoss(f"train/loss is NaN or infinite from step {step} on (rank {rank}); stopped: {kept}")
+        why = f"train/loss is NaN or infinite from step {step} on (rank {rank}); stopped: {kept}"
+        if dist.get_rank() == 0:
+            (run_dir / DIVERGED_FILE).write_text(why + "\n")
+        raise NonFiniteLoss(why)
+
+
+def _refuse_to_diverge_again(run_dir: Path) -> None:
+    """Workers that torchrun's agent restarts after a NaN/inf loss fail at once: training on from the same
+    checkpoint on the same data would diverge at the same step again (once per ``launch.max_restarts``)."""
+    diverged = run_dir / DIVERGED_FILE
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        if dist.get_rank() == 0:
+            diverged.unlink(missing_ok=True)  # left by an earlier launch into this directory
+    elif diverged.exists():
+        raise NonFiniteLoss(f"{diverged.read_text().strip()} (in an earlier attempt; restarts do not train again)")
 
 
 def _train_loop(job: Job, metrics: MetricLogger, on_record: OnRecord | None) -> dict[str, Any]:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from decent_train import DecentralizedDataParallel, lr_scheduler_fn_cosine_with_warmup
 from decent_train.components.checkpoint import complete_checkpoints
 from decent_train.components.data import build_datasets
-from decent_train.config import MODEL_FILE, RESULT_FILE
+from decent_train.config import DIVERGED_FILE, MODEL_FILE, RESULT_FILE
 from decent_train.engine.ddp import ExchangeError
 from decent_train.engine.optim import optim_fn_accum_adamw
 from decent_train.engine.utils import peers_must_answer
@@ -287,18 +287,23 @@ def test_launcher_refuses_a_mismatched_resume_before_any_worker(uninterrupted: P
     assert not (tmp_path / "run" / "logs").exists()
 
 
-def test_nan_loss_stops_naming_the_step_and_keeps_the_good_checkpoints(tmp_path: Path) -> None:
-    (tmp_path / "data").mkdir()
+POISONED = {"steps": 12, "eval_every": 0, "checkpoint": {"every": 2, "keep": 10}, "batch_size": 4, "accum_steps": 1}
+
+
+def _poisoned_data(root: Path) -> dict[str, Any]:
+    """An npz dataset with one NaN in sample 37 (met mid-run with ``POISONED``); its dataset config."""
+    root.mkdir()
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(96, 6)).astype(np.float32), rng.integers(0, 3, 96)
-    poisoned = 37
-    x[poisoned, 0] = np.nan
-    np.savez(tmp_path / "data" / "train.npz", x=x, y=y)
-    np.savez(tmp_path / "data" / "test.npz", x=x[:10], y=y[:10])
-    cfg = make_cfg(
-        tmp_path / "run", steps=12, eval_every=0, checkpoint={"every": 2, "keep": 10}, model={"name": "mlp"},
-        dataset={"name": "npz", "root": str(tmp_path / "data")}, batch_size=4, accum_steps=1,
-    )
+    x[37, 0] = np.nan
+    np.savez(root / "train.npz", x=x, y=y)
+    np.savez(root / "test.npz", x=x[:10], y=y[:10])
+    return {"name": "npz", "root": str(root)}
+
+
+def test_nan_loss_stops_naming_the_step_and_keeps_the_good_checkpoints(tmp_path: Path) -> None:
+    dataset = _poisoned_data(tmp_path / "data")
+    cfg = make_cfg(tmp_path / "run", **POISONED, model={"name": "mlp"}, dataset=dataset)
     # The oracle: the first step whose micro-batch (on any worker) holds the poisoned sample.
     data = build_datasets(cfg.dataset)
     first = min(
@@ -313,6 +318,23 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_good_checkpoints(tmp_path:
     steps = [c.step for c in complete_checkpoints(tmp_path / "run")]
     assert steps == [s for s in range(cfg.steps, 0, -1) if s % 2 == 0 and s < first]
     assert not (tmp_path / "run" / RESULT_FILE).exists()
+    why = (tmp_path / "run" / DIVERGED_FILE).read_text()
+    assert why.startswith(f"train/loss is NaN or infinite from step {first} on")
+
+
+def test_restarted_workers_do_not_train_into_the_same_nan_again(tmp_path: Path) -> None:
+    """With launch.max_restarts the agent restarts the workers after a NaN: they stop at once, naming it."""
+    dataset = _poisoned_data(tmp_path / "data")
+    flat = [f"{k}={v}" for k, v in POISONED.items() if k != "checkpoint"] + ["checkpoint.every=2", "checkpoint.keep=10"]
+    proc = decent_train(*flat, "model=mlp", "dataset=npz", f"dataset.root={dataset['root']}", "launch.max_restarts=2",
+                        "launch.nproc_per_node=2", "seed=7", "logger=jsonl", "logger.progress_bar=false",
+                        f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "train/loss is NaN or infinite from step" in proc.stderr
+    assert "(in an earlier attempt; restarts do not train again)" in proc.stderr
+    log = (tmp_path / "run" / "logs" / "rank0.log").read_text()  # appended to by every attempt
+    assert log.count("model/parameters") == 1  # only the first attempt built its job and trained
+    assert "resumed from" not in log
 
 
 # -- a worker killed or hanging mid-run, end to end -----------------------------------------------------------------------------
