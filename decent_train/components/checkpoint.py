@@ -3,9 +3,9 @@
 Layout: ``RUN_DIR/checkpoints/step_00000100/rank<k>.pt`` and ``manifest.json``. Each rank writes its file under a
 temporary name and renames it (atomic), hashing it on the way; after every rank has written, rank 0 writes the
 manifest (each file's sha256 and size, the step, the world size, the topology and the model's architecture) the same
-way. A checkpoint without
-a manifest is incomplete and never used. Loading checks every rank's file against the manifest: if any is truncated
-or corrupt, all ranks fall back to the previous complete checkpoint, with a warning naming the file.
+way. A checkpoint without a manifest is incomplete and never used. Loading checks every rank's file against the
+manifest: if any is truncated or corrupt, all ranks fall back to the previous complete checkpoint, with a warning
+naming the file.
 """
 
 from __future__ import annotations

@@ -47,7 +47,6 @@ class ModelConfig:
                 "with width divisible by heads"
             )
 
-
     def architecture(self) -> dict[str, Any]:
         """What a checkpoint of this model must match: the name and the settings that shape it (JSON-ready)."""
         values = {key: getattr(self, key) for key in _SHAPE_KEYS[self.name]}
