@@ -393,8 +393,8 @@ def test_failed_worker_restarts_and_ends_like_an_uninterrupted_run(tmp_path: Pat
     assert proc.returncode == 0, stderr
     result = json.loads((failed_dir / RESULT_FILE).read_text())
     assert 40 <= result["resumed_from_step"] < 600
-    if fault == "hanging":  # it was the exchange's time limit that ended the first attempt
-        log = (failed_dir / "logs" / "rank0.log").read_text()  # whichever exchange or collective rank 0 was in
+    if fault == "hanging":  # a time limit ended the first attempt: of an exchange or of a collective (a checkpoint's
+        log = (failed_dir / "logs" / "rank0.log").read_text()  # barrier), whichever rank 0 was waiting in
         assert "failed (a peer hangs or died" in log and "Timed out" in log
 
     clean = decent_train(*job, f"hydra.run.dir={tmp_path / 'clean'}", cwd=tmp_path)

@@ -606,9 +606,12 @@ class DecentralizedDataParallel(nn.Module):
 
     def _wait_works(self, works: list[Any], bucket: _Bucket, ranks: list[int], what: str) -> None:
         start = time.perf_counter()
-        peers = [r for r in ranks if r != self._rank]
-        with peers_must_answer(f"the {what} of bucket {bucket.index} with rank(s) {peers} at step {self._step}",
-                               self._timeout):
+
+        def described() -> str:  # formatted only if the wait fails
+            peers = [r for r in ranks if r != self._rank]
+            return f"the {what} of bucket {bucket.index} with rank(s) {peers} at step {self._step}"
+
+        with peers_must_answer(described, self._timeout):
             for work in works:
                 work.wait() if self._timeout is None else work.wait(self._timeout)
         self.comm_wait_seconds += time.perf_counter() - start

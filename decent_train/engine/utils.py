@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import NoReturn
 
@@ -21,11 +21,13 @@ class ExchangeError(RuntimeError):
 
 
 @contextlib.contextmanager
-def peers_must_answer(what: str, timeout: timedelta | None = None) -> Iterator[None]:
+def peers_must_answer(what: str | Callable[[], str], timeout: timedelta | None = None) -> Iterator[None]:
     """Wrap a collective (or the wait for one): its failure (a peer's closed connection, the time limit) becomes one
     ``ExchangeError`` line naming this rank and ``what`` it was doing, instead of gloo's or NCCL's message alone.
 
-    Wrap only the communication itself: any RuntimeError inside is reported as a peer's failure.
+    ``what`` may be a function, called only on failure: the engine waits on every bucket at every step and should not
+    format a message that is almost never shown. Wrap only the communication itself: any RuntimeError inside is
+    reported as a peer's failure.
     """
     try:
         yield
@@ -35,7 +37,8 @@ def peers_must_answer(what: str, timeout: timedelta | None = None) -> Iterator[N
         rank = dist.get_rank() if dist.is_initialized() else 0
         limit = f", limit {timeout.total_seconds():g} s" if timeout is not None else ""
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise ExchangeError(f"rank {rank}: {what} failed (a peer hangs or died{limit}): {first_line}") from error
+        described = what if isinstance(what, str) else what()
+        raise ExchangeError(f"rank {rank}: {described} failed (a peer hangs or died{limit}): {first_line}") from error
 
 
 def initialize_dist() -> tuple[int, int]:
