@@ -98,7 +98,9 @@ class TrainConfig:
     eval_batch_size: int = 512
     bucket_size_mb: float = 25.0  # the engine's (and DDP's) bucket size
     message_size_mb: float = 0.0  # gossip pairs send a bucket in messages of this size; 0: one message (see README)
-    comm_timeout_s: float = 300.0  # a gossip exchange or collective that takes longer fails (a peer hangs or died)
+    comm_timeout_s: float = 300.0  # a gossip exchange (or the engine's gradient all-reduce) that takes longer fails
+    # Any other collective (checkpoints, evaluation, statistics; first-step compilation skew) may take this long:
+    pg_timeout_s: float = 1800.0  # the process group's timeout
     phases: list[PhaseConfig] = field(default_factory=list)  # a schedule of algorithms; empty: `algorithm` throughout
     global_avg_every: int = 0  # gossip: replace every worker's model by the global average every k steps; 0: never
     final_average: bool = True  # the final model (saved) is the workers' average; false: each keeps its own
@@ -129,11 +131,12 @@ class TrainConfig:
         if self.steps < 0 or (self.steps == 0 and self.epochs <= 0):
             raise ValueError(f"steps={self.steps}, epochs={self.epochs}: set steps >= 1, or steps=0 and epochs > 0")
         if (self.eval_every < 0 or self.grad_clip_norm < 0 or self.message_size_mb < 0 or self.bucket_size_mb <= 0
-                or self.comm_timeout_s <= 0):
+                or self.comm_timeout_s <= 0 or self.pg_timeout_s <= 0):
             raise ValueError(
                 f"eval_every={self.eval_every}, grad_clip_norm={self.grad_clip_norm} and message_size_mb="
                 f"{self.message_size_mb} must be >= 0, "
-                f"bucket_size_mb={self.bucket_size_mb} and comm_timeout_s={self.comm_timeout_s} > 0"
+                f"bucket_size_mb={self.bucket_size_mb}, comm_timeout_s={self.comm_timeout_s} and pg_timeout_s="
+                f"{self.pg_timeout_s} > 0"
             )
         if self.global_avg_every < 0:
             raise ValueError(f"global_avg_every={self.global_avg_every} must be >= 0 (0: never)")

@@ -31,9 +31,9 @@ from tqdm import tqdm
 from decent_train.components.checkpoint import complete_checkpoints, load_latest_checkpoint, save_checkpoint
 from decent_train.components.data import Datasets, build_datasets
 from decent_train.components.metrics import (
+    ConsensusProbe,
     MetricLogger,
     allreduce_bytes_per_step,
-    consensus_distance,
     gossip_bytes_per_step,
     peak_memory_bytes,
     setup_worker_logging,
@@ -420,6 +420,7 @@ def _train_loop(job: Job, metrics: MetricLogger, on_record: OnRecord | None) -> 
     rank, world = dist.get_rank(), dist.get_world_size()
     batches = job.data.train_batches(job.batch_size, rank, world, cfg.seed, start=job.start_step * cfg.accum_steps)
     trainable = [p for p in algo.net.parameters() if p.requires_grad]
+    consensus = ConsensusProbe(trainable, cfg.logger.consensus_samples, seed=cfg.seed)
     samples_per_step = job.batch_size * cfg.accum_steps  # per worker
     phase_ends = {start for start, _ in cfg.phase_starts()[1:]} | {total_steps}  # a record closes every phase
     bar = tqdm(
@@ -496,7 +497,7 @@ def _train_loop(job: Job, metrics: MetricLogger, on_record: OnRecord | None) -> 
             if algo.comm_wait_seconds() is not None:
                 record["time/comm_wait_ms"] = 1000 * comm_w.mean().item() / steps_in_window
             if consensus_now:
-                record["consensus/distance"], record["consensus/relative"] = consensus_distance(trainable)
+                record["consensus/distance"], record["consensus/relative"] = consensus.measure()
             if on_record is not None:
                 on_record(record, algo.net)
             if evaluate_now:
@@ -545,7 +546,8 @@ def _gather(values: list[float | torch.Tensor], device: torch.device) -> torch.T
 
 def init_distributed(device_kind: str, timeout: timedelta) -> torch.device:
     """Join the process group torchrun describes: NCCL and one GPU per local rank on CUDA, gloo on CPU. A collective
-    that takes longer than ``timeout`` fails (a peer hangs or died) instead of waiting forever."""
+    that takes longer than ``timeout`` fails (a peer hangs or died) instead of waiting forever; the engine's exchanges
+    have their own, shorter limit (``comm_timeout_s``)."""
     use_cuda = device_kind == "cuda" or (device_kind == "auto" and torch.cuda.is_available())
     device = torch.device("cpu")
     if use_cuda:
@@ -587,7 +589,7 @@ def main(argv: list[str] | None = None) -> None:
     config_path = Path(args[0]).resolve()
     cfg = load_config(config_path)
     run_dir = Path(cfg.run.output_dir) if cfg.run.output_dir else config_path.parent
-    device = init_distributed(cfg.launch.device, timedelta(seconds=cfg.comm_timeout_s))
+    device = init_distributed(cfg.launch.device, timedelta(seconds=cfg.pg_timeout_s))
     setup_worker_logging(run_dir, dist.get_rank(), cfg.logger)
     try:
         train(cfg, run_dir, device)

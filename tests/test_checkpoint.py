@@ -376,7 +376,8 @@ FAULTS = {"killed": lambda run_dir, pid: os.kill(pid, signal.SIGKILL), "hanging"
 def test_failed_worker_restarts_and_ends_like_an_uninterrupted_run(tmp_path: Path, fault: str) -> None:
     """Rank 1 is killed, or hangs until rank 0's exchange times out: the agent restarts both from the checkpoint."""
     job = ["steps=600", "eval_every=0", "logger=jsonl", "logger.progress_bar=false", "logger.consensus_every=0",
-           "checkpoint.every=40", "launch.max_restarts=1", "launch.nproc_per_node=2", "model=mlp", "comm_timeout_s=4"]
+           "checkpoint.every=40", "launch.max_restarts=1", "launch.nproc_per_node=2", "model=mlp", "comm_timeout_s=4",
+           "pg_timeout_s=6"]  # rank 0 may be caught in a checkpoint's barrier (the process group's limit) too
     failed_dir = tmp_path / fault
     proc = subprocess.Popen([str(COMMAND), *job, f"hydra.run.dir={failed_dir}"], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -34,7 +34,6 @@ import contextlib
 import dataclasses
 import itertools
 import os
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -51,7 +50,7 @@ from torch.utils._pytree import tree_flatten
 
 from decent_train.engine.optim import LRSchedulerFn, OptimFn
 from decent_train.engine.topology import Edge, Topology, get_topology_class
-from decent_train.engine.utils import ExchangeError, peers_must_answer
+from decent_train.engine.utils import CommWaits, ExchangeError, peers_must_answer
 
 __all__ = ["ALLREDUCE", "DecentralizedDataParallel", "ExchangeError", "OPTIM_FN_TYPE", "LR_SCHEDULER_FN_TYPE"]
 
@@ -194,7 +193,9 @@ class DecentralizedDataParallel(nn.Module):
         local_world_size: workers per node (topologies such as alternating-exp-ring use it); defaults to
             ``$LOCAL_WORLD_SIZE`` or 1. ``_local_world_size`` is decent-dp's spelling.
         timeout: seconds an exchange may take before it fails with an error naming the peers (a peer that hangs
-            or died); None waits as long as the process group's own timeout.
+            or died); None waits as long as the process group's own timeout. On CPU the host's wait enforces it; on
+            a GPU the engine's own process groups carry it (NCCL's watchdog enforces it, the host never blocks), so
+            the default process group can keep a long timeout for everything else (compilation, checkpoints).
         global_avg_every: replace every worker's parameters by the exact average after every k-th gossip step.
         message_size_in_mb: a pair sends its bucket in messages of at most this size (0: one message). Over a
             rate-limited TCP link one 26 MB gloo message ran at half the link's rate where 1 MB messages kept up
@@ -259,11 +260,13 @@ class DecentralizedDataParallel(nn.Module):
         self._next_bucket = 0  # buckets are processed strictly in index order (same on all ranks)
         self._ready_params: set[int] = set()
         self._global_average: _GlobalAverage | None = None
-        self.comm_wait_seconds = 0.0  # time blocked waiting for exchanges (observability)
+        self._overflow = False  # fp16: an inf/nan gradient on some worker at this step (read once per step)
+        self._waits = CommWaits(self._timeout)
 
         self._check_same_model_everywhere()
         self._broadcast_from_rank0()
         self._buckets = self._build_buckets(optim_fn, lr_scheduler_fn, bucket_size_in_mb * 2**20)
+        self._exchange_group = self._make_exchange_group()
         messages = max((len(self._message_pieces(b.flat)) for b in self._buckets), default=0)
         if messages > _MESSAGE_TAGS:
             raise ValueError(
@@ -296,7 +299,8 @@ class DecentralizedDataParallel(nn.Module):
                 cls = topology if isinstance(topology, type) else get_topology_class(topology)
                 topology = cls(local_world_size=self._local_world_size, world_size=self._world_size, rank=self._rank)
             if self._world_size > 1:
-                topology.create_groups()
+                timeout = self._group_timeout  # passed only when set: a subclass may override create_groups()
+                topology.create_groups(**({"timeout": timeout} if timeout is not None else {}))
             self._topologies[key] = topology
         if topology.is_staged and any(hasattr(b.optimizer, "pre_average_hook") for b in self._buckets):
             raise ValueError(
@@ -307,6 +311,30 @@ class DecentralizedDataParallel(nn.Module):
         return _Phase(
             topology, start, [topology.edges(r, self._rank) for r in rounds], [topology.async_stage(r) for r in rounds]
         )
+
+    @property
+    def _group_timeout(self) -> timedelta | None:
+        """The timeout of the engine's own process groups: the exchange limit on a GPU, where the host does not wait
+        (gloo's groups keep the default: there the wait itself has the limit)."""
+        on_gpu = any(b.flat.device.type == "cuda" for b in self._buckets)
+        return self._timeout if on_gpu else None
+
+    def _make_exchange_group(self) -> dist.ProcessGroup | None:
+        """The group pairs exchange and gradients are averaged in: the default group, or on a GPU with a time limit
+        a world-wide group that carries it. One all-reduce over it initializes its communicator with every rank
+        (NCCL's first point-to-point batch on a lazily created group must include all ranks)."""
+        timeout = self._group_timeout
+        if self._world_size == 1 or timeout is None:
+            return None
+        group = dist.new_group(timeout=timeout)
+        dist.all_reduce(torch.zeros(1, device=self._buckets[0].flat.device), group=group)
+        return group
+
+    @property
+    def comm_wait_seconds(self) -> float:
+        """Seconds computation stalled waiting for exchanges so far: the host's wait on CPU, the stream's on a GPU
+        (read between steps: on a GPU it waits for the timing events recorded so far)."""
+        return self._waits.seconds
 
     def _check_same_model_everywhere(self) -> None:
         if self._world_size == 1:
@@ -477,7 +505,12 @@ class DecentralizedDataParallel(nn.Module):
             self.global_avg(will_revert=False)
 
     def _prepare_deferred_steps(self) -> None:
-        """Unscale, agree on overflow across all workers, and clip by the whole model's gradient norm."""
+        """Unscale, agree on overflow across all workers, and clip by the whole model's gradient norm.
+
+        The overflow flag is read on the host once per step (GradScaler.step would read it once per bucket), and
+        the buckets then step directly or all skip.
+        """
+        self._overflow = False
         if self._scaler is not None and self._scaler.is_enabled():
             with_grads = [b for b in self._buckets if b.has_grads()]
             for bucket in with_grads:
@@ -489,7 +522,8 @@ class DecentralizedDataParallel(nn.Module):
                     with peers_must_answer(f"the overflow check at step {self._step}", self._timeout):
                         dist.all_reduce(overflow, op=dist.ReduceOp.MAX)
                 for t in found:
-                    t.copy_(overflow.reshape(()))
+                    t.copy_(overflow.reshape(()))  # what GradScaler.update() reads
+                self._overflow = bool(overflow.item())
         if self._grad_clip_norm > 0:
             grads = [p for b in self._buckets for p in b.params if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(grads, self._grad_clip_norm)
@@ -502,10 +536,12 @@ class DecentralizedDataParallel(nn.Module):
         self._launch(bucket, self._phase.round_of(self._step + 1))
 
     def _step_bucket(self, bucket: _Bucket) -> None:
-        if self._scaler is not None:
-            if bucket.has_grads():
-                self._scaler.step(bucket.optimizer)
-        else:
+        """The bucket's optimizer and scheduler step; with fp16 loss scaling, unless a gradient overflowed on some
+        worker (the bucket's gradients are unscaled already: what ``GradScaler.step`` does, without its host sync)."""
+        scaled = self._scaler is not None and self._scaler.is_enabled()
+        if not scaled:
+            bucket.optimizer.step()
+        elif not self._overflow and bucket.has_grads():
             bucket.optimizer.step()
         bucket.optimizer.zero_grad(set_to_none=True)
         if bucket.scheduler is not None:
@@ -521,7 +557,7 @@ class DecentralizedDataParallel(nn.Module):
             for param, view in zip(bucket.params, views):
                 view.copy_(param.grad) if param.grad is not None else view.zero_()
             bucket.grads.div_(self._world_size)
-        bucket.gradient_works = [dist.all_reduce(bucket.grads, async_op=True)]
+        bucket.gradient_works = [dist.all_reduce(bucket.grads, group=self._exchange_group, async_op=True)]
 
     def _finish_gradient_average(self, bucket: _Bucket) -> None:
         """Wait for the bucket's gradient sum; its slices become the parameters' gradients."""
@@ -561,8 +597,8 @@ class DecentralizedDataParallel(nn.Module):
                     op
                     for i, (send, receive) in enumerate(pieces)
                     for op in (
-                        dist.P2POp(dist.isend, send, peer, tag=_MESSAGE_TAGS * bucket.index + i),
-                        dist.P2POp(dist.irecv, receive, peer, tag=_MESSAGE_TAGS * bucket.index + i),
+                        dist.P2POp(dist.isend, send, peer, self._exchange_group, _MESSAGE_TAGS * bucket.index + i),
+                        dist.P2POp(dist.irecv, receive, peer, self._exchange_group, _MESSAGE_TAGS * bucket.index + i),
                     )
                 ]
             )
@@ -605,16 +641,12 @@ class DecentralizedDataParallel(nn.Module):
         return exchange
 
     def _wait_works(self, works: list[Any], bucket: _Bucket, ranks: list[int], what: str) -> None:
-        start = time.perf_counter()
-
         def described() -> str:  # formatted only if the wait fails
             peers = [r for r in ranks if r != self._rank]
             return f"the {what} of bucket {bucket.index} with rank(s) {peers} at step {self._step}"
 
         with peers_must_answer(described, self._timeout):
-            for work in works:
-                work.wait() if self._timeout is None else work.wait(self._timeout)
-        self.comm_wait_seconds += time.perf_counter() - start
+            self._waits.wait(works, bucket.flat.device)
 
     def _mix(self, bucket: _Bucket) -> None:
         """x <- (1 - a) x + a (W x), a being the adaptive factor: finish the exchange in flight, run the stages after
@@ -695,19 +727,31 @@ class DecentralizedDataParallel(nn.Module):
                 self._launch(bucket, 0)
 
     def _average_optimizer_states(self) -> None:
-        """Average each floating-point tensor of every optimizer's state (one all-reduce per dtype)."""
-        if self._world_size == 1:
-            return
+        """Average every optimizer's floating-point state on the parameters' device (momentum, Adam's moments).
+
+        Step counters are equal everywhere and stay out; torch's Adam keeps ``step`` as a CPU tensor, which a
+        CUDA-only (NCCL) group cannot reduce.
+        """
+        self._average_tensors(
+            [
+                value
+                for bucket in self._buckets
+                for param in bucket.params
+                for key, value in sorted(bucket.optimizer.state.get(param, {}).items())
+                if key != "step" and isinstance(value, Tensor) and value.is_floating_point()
+                and value.device == param.device
+            ]
+        )
+
+    def _average_tensors(self, tensors: list[Tensor]) -> None:
+        """Average ``tensors`` over all workers in place, with one all-reduce per dtype and device."""
         groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-        for bucket in self._buckets:
-            for param in bucket.params:
-                for _, value in sorted(bucket.optimizer.state.get(param, {}).items()):
-                    if isinstance(value, Tensor) and value.is_floating_point():
-                        groups.setdefault((value.dtype, value.device), []).append(value)
-        for tensors in groups.values():
-            flat = torch._utils._flatten_dense_tensors(tensors)
+        for tensor in tensors:
+            groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+        for same in groups.values():
+            flat = torch._utils._flatten_dense_tensors(same)
             self._average_in_place(flat)
-            torch._foreach_copy_(tensors, torch._utils._unflatten_dense_tensors(flat, tensors))
+            torch._foreach_copy_(same, torch._utils._unflatten_dense_tensors(flat, same))
 
     # -- evaluation ---------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -729,8 +773,7 @@ class DecentralizedDataParallel(nn.Module):
             )
         for tensor in [b.flat for b in self._buckets] if self._param_as_bucket_view else [p.data for p in params]:
             self._average_in_place(tensor)
-        for tensor in buffers:
-            self._average_in_place(tensor)
+        self._average_tensors(buffers)  # one all-reduce, not one per BatchNorm statistic
         d2c = None
         if return_d2c:
             distances = torch._foreach_norm(torch._foreach_sub(params, self._global_average.params))
@@ -892,9 +935,15 @@ class DecentralizedDataParallel(nn.Module):
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
-        """Loads a bare state_dict, or one saved with decent-dp's ``_model.`` / DDP's ``module.`` prefix."""
+        """Loads a bare state_dict, or one saved with decent-dp's ``_model.`` / DDP's ``module.`` prefix.
+
+        Exchanges in flight are drained and dropped first: a send may still read the parameters, and what they
+        delivered belongs to the replaced values (the next step mixes nothing; its exchange sends the loaded ones).
+        """
         for prefix in ("_model.", "module."):
             if state_dict and all(k.startswith(prefix) for k in state_dict):
                 state_dict = {k[len(prefix) :]: v for k, v in state_dict.items()}
+        for bucket in self._buckets:
+            self._wait(bucket)
         with torch.no_grad():
             return self.module.load_state_dict(state_dict, strict=strict)

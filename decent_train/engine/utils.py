@@ -1,19 +1,21 @@
 """Process groups for scripts launched by torchrun: setup (decent-dp's ``initialize_dist``, without its pitfalls), a
-clear error when a peer stops answering, and a clean exit."""
+clear error when a peer stops answering, waits on exchanges that do not block a GPU's host thread, and a clean exit."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import sys
+import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["ExchangeError", "initialize_dist", "exit_without_teardown", "peers_must_answer"]
+__all__ = ["CommWaits", "ExchangeError", "initialize_dist", "exit_without_teardown", "peers_must_answer"]
 
 
 class ExchangeError(RuntimeError):
@@ -39,6 +41,56 @@ def peers_must_answer(what: str | Callable[[], str], timeout: timedelta | None =
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
         described = what if isinstance(what, str) else what()
         raise ExchangeError(f"rank {rank}: {described} failed (a peer hangs or died{limit}): {first_line}") from error
+
+
+class CommWaits:
+    """Waits for asynchronous communication and adds up how long computation stalled on it.
+
+    On the CPU (gloo) the host thread is what waits: ``work.wait(timeout)`` enforces the exchange limit and
+    ``perf_counter`` measures the stall. On a GPU, ``work.wait()`` only makes the current stream wait for the
+    communication stream; a timeout would make ProcessGroupNCCL poll ``isCompleted()`` on the host, one host sync per
+    bucket per step, so none is passed (the group's own timeout, enforced by NCCL's watchdog, is the limit). The
+    stall is the stream's time between two CUDA events around the wait, summed from the events that have completed
+    when :attr:`seconds` is read or when more than ``_PENDING_EVENTS`` are queued (``query()``: no sync either).
+    """
+
+    _PENDING_EVENTS = 256
+
+    def __init__(self, timeout: timedelta | None = None):
+        self.timeout = timeout
+        self._seconds = 0.0
+        self._events: deque[tuple[Any, Any]] = deque()  # (start, end) CUDA events not yet added up
+
+    def wait(self, works: list[Any], device: torch.device) -> None:
+        """Wait for ``works`` (the caller wraps this in :func:`peers_must_answer`)."""
+        if not works:
+            return
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for work in works:
+                work.wait()
+            end.record()
+            self._events.append((start, end))
+            if len(self._events) > self._PENDING_EVENTS:
+                self._collect(block=False)
+            return
+        start_time = time.perf_counter()
+        for work in works:
+            work.wait() if self.timeout is None else work.wait(self.timeout)
+        self._seconds += time.perf_counter() - start_time
+
+    def _collect(self, block: bool) -> None:
+        while self._events and (block or self._events[0][1].query()):
+            start, end = self._events.popleft()
+            end.synchronize()
+            self._seconds += start.elapsed_time(end) / 1000.0
+
+    @property
+    def seconds(self) -> float:
+        """Total stall so far (on a GPU this waits for the events recorded so far: read it between steps)."""
+        self._collect(block=True)
+        return self._seconds
 
 
 def initialize_dist() -> tuple[int, int]:

@@ -92,6 +92,13 @@ def _check_and_launch(cfg: DictConfig) -> float | None:
         raise ValueError("launch.device=cuda but no CUDA device is visible; valid here: launch.device=cpu")
     if cfg.launch.nproc_per_node is None:  # one worker per GPU
         cfg.launch.nproc_per_node = max(1, torch.cuda.device_count())
+    gpus = torch.cuda.device_count()
+    on_gpus = cfg.launch.device == "cuda" or (cfg.launch.device == "auto" and torch.cuda.is_available())
+    if on_gpus and not cfg.dry_run and cfg.launch.nproc_per_node > gpus:  # two workers on one GPU: NCCL fails later
+        raise ValueError(
+            f"launch.nproc_per_node={cfg.launch.nproc_per_node} but this node has {gpus} GPU(s); valid: 1..{gpus} "
+            "(one worker per GPU)"
+        )
     if cfg.resume:
         cfg.resume = str(Path(cfg.resume).resolve())  # the workers may start elsewhere (another node's directory)
     if cfg.launch.nnodes > 1 and not cfg.launch.rdzv_endpoint and os.environ.get("SLURM_JOB_ID"):

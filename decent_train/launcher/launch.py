@@ -137,7 +137,7 @@ def launch_workers(cfg: LaunchConfig, config_path: Path) -> None:
         max_restarts=cfg.max_restarts,
         monitor_interval=cfg.monitor_interval,
     )
-    threads = cfg.threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.nproc_per_node)
+    threads = cfg.threads_per_worker or default_threads_per_worker(cfg.nproc_per_node)
     # The agent logs each failure at ERROR; WorkerFailure reports the first one instead.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     with _environment(OMP_NUM_THREADS=str(threads)):
@@ -145,6 +145,13 @@ def launch_workers(cfg: LaunchConfig, config_path: Path) -> None:
             elastic_launch(elastic, sys.executable)("-u", "-m", WORKER_MODULE, str(config_path))
         except ChildFailedError as error:
             raise _failure(error) from None
+
+
+def default_threads_per_worker(nproc_per_node: int) -> int:
+    """The CPUs this process may run on (a SLURM or container allocation, not the host's count), shared by the
+    workers of the node."""
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, allowed // nproc_per_node)
 
 
 def _failure(error: ChildFailedError) -> WorkerFailure:
