@@ -20,7 +20,7 @@ from torch import nn
 from decent_train import DecentralizedDataParallel, ExchangeError
 from decent_train.components.metrics import ConsensusProbe
 from decent_train.engine.utils import CommWaits
-from decent_train.launcher.launch import default_threads_per_worker
+from decent_train.launcher.launch import check_devices, default_threads_per_worker
 from tests.distributed import run_workers
 
 
@@ -344,3 +344,16 @@ def test_threads_per_worker_come_from_the_cpus_this_job_may_use(monkeypatch: pyt
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     assert default_threads_per_worker(4) == 2
     assert default_threads_per_worker(16) == 1
+
+
+def test_more_workers_than_gpus_is_refused_before_any_worker() -> None:
+    """Workers took ``LOCAL_RANK % device_count`` as their GPU, so two shared one until NCCL failed."""
+    with pytest.raises(ValueError, match=r"launch.nproc_per_node=8 but this node has 4 GPU\(s\); valid: 1..4"):
+        check_devices("cuda", 8, True, 4)
+    with pytest.raises(ValueError, match="launch.nproc_per_node=2 but this node has 1 GPU"):
+        check_devices("auto", 2, True, 1)
+    with pytest.raises(ValueError, match="no CUDA device is visible"):
+        check_devices("cuda", 1, False, 0)
+    check_devices("cuda", 4, True, 4)
+    check_devices("auto", 4, False, 0)  # auto without CUDA: CPU workers
+    check_devices("cpu", 16, True, 1)

@@ -36,6 +36,7 @@ from decent_train.config import (
 )
 from decent_train.launcher.launch import (
     WorkerFailure,
+    check_devices,
     format_command,
     launch_workers,
     slurm_rendezvous,
@@ -88,17 +89,10 @@ def _check_and_launch(cfg: DictConfig) -> float | None:
     cfg.run.overrides = list(hydra_cfg.overrides.task)
     cfg.run.job_num = hydra_cfg.job.num if multirun else None
     cfg.run.sweep_dir = str(Path(hydra_cfg.sweep.dir).resolve()) if multirun else None
-    if cfg.launch.device == "cuda" and not cfg.dry_run and not torch.cuda.is_available():  # a login node may check
-        raise ValueError("launch.device=cuda but no CUDA device is visible; valid here: launch.device=cpu")
     if cfg.launch.nproc_per_node is None:  # one worker per GPU
         cfg.launch.nproc_per_node = max(1, torch.cuda.device_count())
-    gpus = torch.cuda.device_count()
-    on_gpus = cfg.launch.device == "cuda" or (cfg.launch.device == "auto" and torch.cuda.is_available())
-    if on_gpus and not cfg.dry_run and cfg.launch.nproc_per_node > gpus:  # two workers on one GPU: NCCL fails later
-        raise ValueError(
-            f"launch.nproc_per_node={cfg.launch.nproc_per_node} but this node has {gpus} GPU(s); valid: 1..{gpus} "
-            "(one worker per GPU)"
-        )
+    if not cfg.dry_run:  # a login node may check a job for GPU nodes
+        check_devices(cfg.launch.device, cfg.launch.nproc_per_node, torch.cuda.is_available(), torch.cuda.device_count())
     if cfg.resume:
         cfg.resume = str(Path(cfg.resume).resolve())  # the workers may start elsewhere (another node's directory)
     if cfg.launch.nnodes > 1 and not cfg.launch.rdzv_endpoint and os.environ.get("SLURM_JOB_ID"):

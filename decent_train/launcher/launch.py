@@ -147,6 +147,19 @@ def launch_workers(cfg: LaunchConfig, config_path: Path) -> None:
             raise _failure(error) from None
 
 
+def check_devices(device: str, nproc_per_node: int, cuda_available: bool, gpus: int) -> None:
+    """The node has what ``launch`` asks for: a GPU per worker (two workers on one GPU fail later in NCCL with
+    "Duplicate GPU detected")."""
+    if device == "cuda" and not cuda_available:
+        raise ValueError("launch.device=cuda but no CUDA device is visible; valid here: launch.device=cpu")
+    on_gpus = device == "cuda" or (device == "auto" and cuda_available)
+    if on_gpus and nproc_per_node > gpus:
+        raise ValueError(
+            f"launch.nproc_per_node={nproc_per_node} but this node has {gpus} GPU(s); valid: 1..{gpus} (one worker "
+            "per GPU)"
+        )
+
+
 def default_threads_per_worker(nproc_per_node: int) -> int:
     """The CPUs this process may run on (a SLURM or container allocation, not the host's count), shared by the
     workers of the node."""
