@@ -234,13 +234,6 @@ def cross_entropy(logits: torch.Tensor, y: torch.Tensor, **kwargs: Any) -> torch
     return F.cross_entropy(logits.flatten(0, -2), y.flatten(), **kwargs)
 
 
-def to_device(batch: tuple[torch.Tensor, torch.Tensor], device: torch.device, channels_last: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    x, y = (t.to(device, non_blocking=True) for t in batch)
-    if channels_last and x.dim() == 4:
-        x = x.contiguous(memory_format=torch.channels_last)
-    return x, y
-
-
 @torch.no_grad()
 def evaluate(net: nn.Module, cfg: TrainConfig, data: Datasets, device: torch.device, precision: Precision) -> dict[str, float]:
     """Loss and accuracy (next-token accuracy for tokens) on the whole evaluation set; each worker evaluates a
@@ -249,8 +242,7 @@ def evaluate(net: nn.Module, cfg: TrainConfig, data: Datasets, device: torch.dev
     was_training = net.training
     net.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
-    for batch in data.eval_batches(cfg.eval_batch_size, rank, world):
-        x, y = to_device(batch, device, cfg.channels_last)
+    for x, y in data.device_eval_batches(cfg.eval_batch_size, rank, world, device=device, channels_last=cfg.channels_last):
         with precision.autocast():
             logits = net(x)
         sums[0] += cross_entropy(logits.float(), y, reduction="sum").double()
@@ -418,7 +410,10 @@ def _refuse_to_diverge_again(run_dir: Path) -> None:
 def _train_loop(job: Job, metrics: MetricLogger, on_record: OnRecord | None) -> dict[str, Any]:
     cfg, algo, device, precision, total_steps = job.cfg, job.algo, job.device, job.precision, job.total_steps
     rank, world = dist.get_rank(), dist.get_world_size()
-    batches = job.data.train_batches(job.batch_size, rank, world, cfg.seed, start=job.start_step * cfg.accum_steps)
+    batches = job.data.device_train_batches(
+        job.batch_size, rank, world, cfg.seed, start=job.start_step * cfg.accum_steps, device=device,
+        channels_last=cfg.channels_last,
+    )
     trainable = [p for p in algo.net.parameters() if p.requires_grad]
     consensus = ConsensusProbe(trainable, cfg.logger.consensus_samples, seed=cfg.seed)
     samples_per_step = job.batch_size * cfg.accum_steps  # per worker
@@ -438,7 +433,7 @@ def _train_loop(job: Job, metrics: MetricLogger, on_record: OnRecord | None) -> 
             logger.info(f"step {step}: phase {algo.phase} ({algo.phase_name}) begins")
         for micro in range(cfg.accum_steps):
             data_start = time.perf_counter()
-            x, y = to_device(next(batches), device, cfg.channels_last)
+            x, y = next(batches)
             data_seconds += time.perf_counter() - data_start
             with contextlib.nullcontext() if micro == cfg.accum_steps - 1 else algo.no_sync():
                 with precision.autocast():

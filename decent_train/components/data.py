@@ -132,6 +132,23 @@ class Datasets(ABC):
     def micro_batches_per_epoch(self, batch_size: int, world: int) -> int:
         return (self.train_size // world) // batch_size
 
+    # The worker takes its batches from these two: the same batches, on the device. In-memory data overrides them to
+    # copy what it stores and transform it there.
+    def device_train_batches(
+        self, batch_size: int, rank: int, world: int, seed: int, start: int = 0, *, device: torch.device | str,
+        channels_last: bool = False,
+    ) -> Iterator[Batch]:
+        """``train_batches`` on ``device`` (what the worker trains on): each copied as ``batch_to_device`` says."""
+        for batch in self.train_batches(batch_size, rank, world, seed, start):
+            yield batch_to_device(batch, device, channels_last)
+
+    def device_eval_batches(
+        self, batch_size: int, rank: int, world: int, *, device: torch.device | str, channels_last: bool = False
+    ) -> Iterator[Batch]:
+        """``eval_batches`` on ``device``."""
+        for batch in self.eval_batches(batch_size, rank, world):
+            yield batch_to_device(batch, device, channels_last)
+
 
 def batch_generator(seed: int, rank: int, epoch: int, index: int) -> torch.Generator:
     """The random numbers of one training batch: by seed, different per worker, epoch and batch."""
@@ -139,6 +156,31 @@ def batch_generator(seed: int, rank: int, epoch: int, index: int) -> torch.Gener
 
 
 BatchTransform = Callable[[Tensor, Optional[torch.Generator]], Tensor]  # (x, generator or None at evaluation) -> x
+
+
+def host_to_device(t: Tensor, device: torch.device | str) -> Tensor:
+    """``t`` copied to ``device`` without blocking the host. For CUDA it is first pinned (unless a loader pinned it):
+    from pageable memory the copy is synchronous whatever ``non_blocking`` says. The caching host allocator keeps a
+    pinned block until the copies from it are done, so reusing it for the next batch is safe."""
+    device = torch.device(device)
+    if device.type == "cuda" and not t.is_pinned():
+        t = t.contiguous().pin_memory()  # contiguous: pinning a strided view would pin the span it strides over
+    return t.to(device, non_blocking=True)
+
+
+def batch_to_device(
+    batch: Batch, device: torch.device | str, channels_last: bool = False, transform: BatchTransform | None = None,
+    generator: Optional[torch.Generator] = None,
+) -> Batch:
+    """The one way batches reach the model: copied as stored (uint8 images: a quarter of float32's bytes), then
+    ``transform(x, generator)`` where they landed, so normalization and augmentation run on the GPU, not the main
+    thread; the generator's numbers are still drawn on the CPU, so the batch does not depend on the device."""
+    x, y = (host_to_device(t, device) for t in batch)
+    if transform is not None:
+        x = transform(x, generator)
+    if channels_last and x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x, y
 
 
 class TensorData(Datasets):
@@ -153,7 +195,10 @@ class TensorData(Datasets):
         self.input_shape = tuple(train.tensors[0].shape[1:])
         self.train_size = len(train)
 
-    def train_batches(self, batch_size: int, rank: int, world: int, seed: int, start: int = 0) -> Iterator[Batch]:
+    def _stored_train_batches(
+        self, batch_size: int, rank: int, world: int, seed: int, start: int
+    ) -> Iterator[tuple[Tensor, Tensor, Optional[torch.Generator]]]:
+        """Training batches as stored, each with its augmentation's generator (None without a transform)."""
         sampler = DistributedSampler(self.train, world, rank, shuffle=True, seed=seed, drop_last=True)
         batches = BatchSampler(sampler, batch_size, drop_last=True)
         if len(batches) == 0:
@@ -168,16 +213,34 @@ class TensorData(Datasets):
                 if index < skip:
                     continue
                 x, y = self.train[indices]
-                if self.transform is not None:  # augmentation: its own generator per batch, so a resume can skip
-                    x = self.transform(x, batch_generator(seed, rank, epoch, index))
-                yield x, y
+                # Augmentation: its own generator per batch, so a resume can skip.
+                yield x, y, None if self.transform is None else batch_generator(seed, rank, epoch, index)
             epoch, skip = epoch + 1, 0
 
-    def eval_batches(self, batch_size: int, rank: int, world: int) -> Iterator[Batch]:
+    def _stored_eval_batches(self, batch_size: int, rank: int, world: int) -> Iterator[Batch]:
         x, y = (t[rank::world] for t in self.test.tensors)
         for start in range(0, len(y), batch_size):
-            xb = x[start : start + batch_size]
-            yield (xb if self.transform is None else self.transform(xb, None)), y[start : start + batch_size]
+            yield x[start : start + batch_size], y[start : start + batch_size]
+
+    def train_batches(self, batch_size: int, rank: int, world: int, seed: int, start: int = 0) -> Iterator[Batch]:
+        return self.device_train_batches(batch_size, rank, world, seed, start, device="cpu")
+
+    def eval_batches(self, batch_size: int, rank: int, world: int) -> Iterator[Batch]:
+        return self.device_eval_batches(batch_size, rank, world, device="cpu")
+
+    def device_train_batches(
+        self, batch_size: int, rank: int, world: int, seed: int, start: int = 0, *, device: torch.device | str,
+        channels_last: bool = False,
+    ) -> Iterator[Batch]:
+        """The stored samples are copied, the transform runs on ``device``: the same batches as ``train_batches``."""
+        for x, y, generator in self._stored_train_batches(batch_size, rank, world, seed, start):
+            yield batch_to_device((x, y), device, channels_last, self.transform, generator)
+
+    def device_eval_batches(
+        self, batch_size: int, rank: int, world: int, *, device: torch.device | str, channels_last: bool = False
+    ) -> Iterator[Batch]:
+        for batch in self._stored_eval_batches(batch_size, rank, world):
+            yield batch_to_device(batch, device, channels_last, self.transform)
 
 
 def build_datasets(cfg: DatasetConfig) -> Datasets:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 
-from decent_train.components.data import Batch, BatchTransform, Datasets, TensorData, batch_generator
+from decent_train.components.data import Batch, BatchTransform, Datasets, TensorData, batch_generator, host_to_device
 
 CIFAR_DIR = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
 CIFAR_SPLITS = {  # (training files, test files)
@@ -89,29 +89,51 @@ def cifar(root: Path, name: str, augment: bool) -> TensorData:
 
 
 def cifar_transform(mean: tuple[float, ...], std: tuple[float, ...], augment: bool) -> BatchTransform:
+    """uint8 images to normalized float, cropped and flipped when a generator is given; on whichever device the
+    images are (the worker's: ``TensorData.device_train_batches``)."""
     mean_t, std_t = torch.tensor(mean).view(1, -1, 1, 1), torch.tensor(std).view(1, -1, 1, 1)
+    stats: dict[torch.device, tuple[Tensor, Tensor]] = {}  # per device, copied once
 
     def transform(x: Tensor, generator: Optional[torch.Generator]) -> Tensor:
+        if augment and generator is not None:  # on the stored uint8: a quarter of the bytes; padding 0 stays 0.0
+            x = crop_flip(x, 4, crop_flip_draws(len(x), 4, generator))
+        if x.device not in stats:
+            stats[x.device] = (host_to_device(mean_t, x.device), host_to_device(std_t, x.device))
+        mean_d, std_d = stats[x.device]
         x = x.float().div_(255.0)
-        if augment and generator is not None:
-            x = random_crop_flip(x, 4, generator)
-        return (x - mean_t) / std_t
+        return (x - mean_d) / std_d
 
     return transform
 
 
 def random_crop_flip(x: Tensor, padding: int, generator: torch.Generator) -> Tensor:
     """Each image of the batch zero-padded by ``padding``, cropped back at a random offset, flipped with p = 1/2."""
-    n, c, h, w = x.shape
-    padded = F.pad(x, (padding,) * 4)
+    return crop_flip(x, padding, crop_flip_draws(len(x), padding, generator))
+
+
+def crop_flip_draws(n: int, padding: int, generator: torch.Generator) -> Tensor:
+    """``random_crop_flip``'s random numbers, (3, n) int64 on the CPU: row offsets, column offsets, flips (0 or 1).
+    Drawn on the CPU in this order whatever device crops, so a batch (and a resumed run) does not depend on it."""
     dy = torch.randint(0, 2 * padding + 1, (n,), generator=generator)
     dx = torch.randint(0, 2 * padding + 1, (n,), generator=generator)
     flip = torch.rand(n, generator=generator) < 0.5
-    rows = dy[:, None] + torch.arange(h)  # (n, h)
-    cols = dx[:, None] + torch.arange(w)
-    cols = torch.where(flip[:, None], cols.flip(1), cols)
+    return torch.stack([dy, dx, flip.long()])
+
+
+def crop_flip(x: Tensor, padding: int, draws: Tensor) -> Tensor:
+    """The crops and flips ``draws`` (``crop_flip_draws``) say, on ``x``'s device."""
+    n, c, h, w = x.shape
+    device = x.device
+    dy, dx, flip = host_to_device(draws, device)
+    padded = F.pad(x, (padding,) * 4)
+    rows = dy[:, None] + torch.arange(h, device=device)  # (n, h)
+    cols = dx[:, None] + torch.arange(w, device=device)
+    cols = torch.where(flip.bool()[:, None], cols.flip(1), cols)
     return padded[
-        torch.arange(n)[:, None, None, None], torch.arange(c)[None, :, None, None], rows[:, None, :, None], cols[:, None, None, :]
+        torch.arange(n, device=device)[:, None, None, None],
+        torch.arange(c, device=device)[None, :, None, None],
+        rows[:, None, :, None],
+        cols[:, None, None, :],
     ]
 
 
