@@ -357,3 +357,35 @@ def test_more_workers_than_gpus_is_refused_before_any_worker() -> None:
     check_devices("cuda", 4, True, 4)
     check_devices("auto", 4, False, 0)  # auto without CUDA: CPU workers
     check_devices("cpu", 16, True, 1)
+
+
+def test_the_gpu_exchange_group_carries_the_limit_and_gives_the_same_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the engine exchanges (pairs, groups, gradient all-reduce) in process groups that carry the exchange
+    limit. Forced on here with gloo: the same parameters as through the default group, and the groups' timeout is
+    the limit (ranks 0-2 of a ring of 3 form one group of three: a group, not a pair)."""
+
+    def run(rank: int, world: int, forced: bool) -> dict:
+        if forced:
+            DecentralizedDataParallel._group_timeout = property(lambda self: self._timeout)  # type: ignore[method-assign]
+        out = {}
+        for topology in ("ring", "allreduce"):
+            engine = DecentralizedDataParallel(mlp(), lambda n: torch.optim.SGD([p for _, p in n], lr=0.1),
+                                               topology=topology, timeout=7)
+            train(engine, 3, rank)
+            out[topology] = torch.cat([p.detach().flatten() for p in engine.parameters()])
+            out[f"{topology}_world_edge_uses_the_exchange_group"] = engine._exchange_group is not None and all(
+                e.group is engine._exchange_group for stages in engine._phase.my_stages for e in stages
+            )  # ring at 3 is one group of every rank each round: no second copy of the world
+            groups = [e.group for stages in engine._phase.my_stages for e in stages if e.group is not None]
+            out[f"{topology}_timeouts"] = [
+                g._get_backend(torch.device("cpu")).options._timeout
+                for g in groups + ([engine._exchange_group] if engine._exchange_group is not None else [])
+            ]
+        return out
+
+    plain, forced = run_workers(run, 3, False), run_workers(run, 3, True)
+    for a, b in zip(plain, forced):
+        assert torch.equal(a["ring"], b["ring"]) and torch.equal(a["allreduce"], b["allreduce"])
+    assert plain[0]["ring_timeouts"] == []
+    assert forced[0]["ring_timeouts"] and all(t == timedelta(seconds=7) for t in forced[0]["ring_timeouts"])
+    assert forced[0]["ring_world_edge_uses_the_exchange_group"]

@@ -300,7 +300,8 @@ class DecentralizedDataParallel(nn.Module):
                 topology = cls(local_world_size=self._local_world_size, world_size=self._world_size, rank=self._rank)
             if self._world_size > 1:
                 timeout = self._group_timeout  # passed only when set: a subclass may override create_groups()
-                topology.create_groups(**({"timeout": timeout} if timeout is not None else {}))
+                kwargs = {"timeout": timeout, "world_group": self._exchange_group} if timeout is not None else {}
+                topology.create_groups(**kwargs)
             self._topologies[key] = topology
         if topology.is_staged and any(hasattr(b.optimizer, "pre_average_hook") for b in self._buckets):
             raise ValueError(

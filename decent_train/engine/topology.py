@@ -18,7 +18,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from datetime import timedelta
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,8 @@ class Edge:
 
     ``weight`` is the fraction a member keeps of its own model; every other member contributes ``(1-weight)/(m-1)``.
     It defaults to the uniform average ``1/m``. ``group`` is the process group, set by :meth:`Topology.create_groups`
-    for groups of three or more (pairs exchange point-to-point and need none).
+    for groups of three or more that this rank is in (pairs exchange point-to-point and need none; a rank holds none
+    for other ranks' groups; None for the whole world is the default group).
     """
 
     ranks: list[int]
@@ -237,15 +239,94 @@ class Topology:
         return f"{self.label}, period {self.period}, spectral gap {self.spectral_gap():.4f}; {rounds}"
 
     # -- binding to torch.distributed ---------------------------------------------------------------------------
-    def create_groups(self) -> None:
-        """Create one process group per distinct group of >= 3 ranks (collective: every rank, same order)."""
+    def create_groups(self, timeout: timedelta | None = None, world_group: ProcessGroup | None = None) -> None:
+        """Give this rank a process group for each of its groups of >= 3 ranks (collective: every rank, same
+        ``timeout``).
+
+        With the default group bound to a device (``init_process_group(device_id=...)``, as the worker binds NCCL),
+        each ``new_group`` splits the world's communicator, non-members included (576 splits for alternating-exp-ring
+        at 128 nodes x 8); there one ``dist.split_group`` per stage partition with groups not made yet does it (14),
+        each rank keeping only its own group. Unbound (gloo, NCCL without ``device_id``) ``new_group`` involves only
+        a group's members, and a split would cost every rank a store connection per call, so every rank makes each
+        group in turn. Not ``use_local_synchronization=True``: torch 2.15 hangs with it on overlapping groups (ring
+        at odd sizes: members name a group after a counter that advances only in the groups a rank joined).
+
+        Without ``timeout`` the groups take the default group's (init_process_group's; torch would give them 30
+        minutes on gloo), so a group spanning the world is the default group itself (``group=None``), not a copy. A
+        ``timeout`` that differs makes that group too: on the default group a hung exchange would run to its longer
+        limit (NCCL's watchdog enforces the group's limit, not the wait's). ``world_group``, a group of every rank
+        that the caller made with ``timeout`` already, serves that group instead of another copy of the world.
+
+        ``edge.group`` stays None for pairs (point-to-point on the default group) and for other ranks' groups.
+        """
+        rank = dist.get_rank()
+        world_timeout = _default_group_timeout()
+        timeout = world_timeout if timeout is None else timeout
+        reuse_world = timeout == world_timeout or world_group is not None
+        splits = self._group_splits(reuse_world)
         groups: dict[tuple[int, ...], ProcessGroup] = {}
-        for stages in self.stages:
-            for edge in (e for edges in stages for e in edges):
-                key = tuple(edge.ranks)
-                if len(key) >= 3 and key not in groups:
-                    groups[key] = dist.new_group(list(key))
-                edge.group = groups.get(key)
+        if _splits_world():
+            for split_ranks in splits:
+                group = dist.split_group(split_ranks=split_ranks, timeout=timeout)
+                mine = [ranks for ranks in split_ranks if rank in ranks]
+                if mine:
+                    groups[tuple(mine[0])] = cast(ProcessGroup, group)
+        else:
+            for ranks in (ranks for split_ranks in splits for ranks in split_ranks):
+                group = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    groups[tuple(ranks)] = cast(ProcessGroup, group)
+        if world_group is not None:
+            groups[tuple(range(self._world_size))] = world_group
+        for edge in (e for stages in self.stages for edges in stages for e in edges):
+            edge.group = groups.get(tuple(edge.ranks))
+
+    def _group_splits(self, reuse_world: bool) -> list[list[list[int]]]:
+        """The groups :meth:`create_groups` makes, by stage partition in schedule order (pure data): each stage's groups
+        of >= 3 not made by an earlier stage, less the whole world if ``reuse_world``; stages with none left out."""
+        world = list(range(self._world_size))
+        made: set[tuple[int, ...]] = set()
+        splits: list[list[list[int]]] = []
+        for edges in (edges for stages in self.stages for edges in stages):
+            new = [list(e.ranks) for e in edges if e.size >= 3 and tuple(e.ranks) not in made]
+            new = [ranks for ranks in new if not (reuse_world and ranks == world)]
+            made.update(tuple(ranks) for ranks in new)
+            if new:
+                splits.append(new)
+        return splits
+
+
+def _default_backend() -> Any:
+    """The backend of the default group that torch would split: the bound device's, else the accelerator's or the
+    CPU's (as ``dist.split_group`` picks); None if there is none."""
+    world = dist.group.WORLD
+    try:
+        device = getattr(world, "bound_device_id", None)
+        if device is None:
+            types = {d.type for d in world._device_types}
+            accelerator = torch.accelerator.current_accelerator()
+            device = accelerator if accelerator is not None and accelerator.type in types else torch.device("cpu")
+        return world._get_backend(device)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _splits_world() -> bool:
+    """Whether ``new_group`` would split the world's communicator per group (torch 2.15's ``_new_process_group_helper``
+    does when the default group is bound to a device whose backend splits), so ``dist.split_group`` saves calls."""
+    backend = _default_backend()
+    return (
+        hasattr(dist, "split_group")
+        and getattr(dist.group.WORLD, "bound_device_id", None) is not None
+        and bool(getattr(backend, "supports_splitting", False))
+    )
+
+
+def _default_group_timeout() -> timedelta | None:
+    """init_process_group's timeout (the default group's), or None where the backend does not show it."""
+    options = getattr(_default_backend(), "options", None)
+    timeout = getattr(options, "_timeout", None)
+    return timeout if isinstance(timeout, timedelta) else None
 
 
 class TopologyReg:
