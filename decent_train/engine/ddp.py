@@ -540,9 +540,7 @@ class DecentralizedDataParallel(nn.Module):
         """The bucket's optimizer and scheduler step; with fp16 loss scaling, unless a gradient overflowed on some
         worker (the bucket's gradients are unscaled already: what ``GradScaler.step`` does, without its host sync)."""
         scaled = self._scaler is not None and self._scaler.is_enabled()
-        if not scaled:
-            bucket.optimizer.step()
-        elif not self._overflow and bucket.has_grads():
+        if not scaled or (not self._overflow and bucket.has_grads()):
             bucket.optimizer.step()
         bucket.optimizer.zero_grad(set_to_none=True)
         if bucket.scheduler is not None:
