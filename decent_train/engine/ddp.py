@@ -682,6 +682,8 @@ class DecentralizedDataParallel(nn.Module):
         if value is flat:
             if own == 0.0:
                 torch.mul(bucket.comm, other, out=flat)
+            elif other != 0.0 and abs(own + other - 1.0) < 1e-12:  # a convex combination (every pair): one pass
+                flat.lerp_(bucket.comm, other)
             elif own != 1.0 or other != 0.0:
                 flat.mul_(own)
                 if other != 0.0:
