@@ -51,7 +51,7 @@ from decent_train.config import (
 )
 from decent_train.engine.ddp import DecentralizedDataParallel
 from decent_train.engine.optim import LRSchedulerFn
-from decent_train.engine.utils import exit_without_teardown, peers_must_answer
+from decent_train.engine.utils import peers_must_answer, run_collective
 
 
 class Precision:
@@ -249,7 +249,7 @@ def evaluate(net: nn.Module, cfg: TrainConfig, data: Datasets, device: torch.dev
         sums[1] += (logits.argmax(dim=-1) == y).sum()
         sums[2] += y.numel()
     with peers_must_answer("the evaluation's all-reduce"):
-        dist.all_reduce(sums)
+        run_collective(dist.all_reduce, sums)
     net.train(was_training)
     loss, correct, count = sums.tolist()
     return {"eval/loss": loss / count, "eval/accuracy": correct / count}
@@ -533,10 +533,11 @@ def _train_loop(job: Job, metrics: MetricLogger, on_record: OnRecord | None) -> 
 def _gather(values: list[float | torch.Tensor], device: torch.device) -> torch.Tensor:
     """Every worker's values, one row per rank (a few numbers: cheap)."""
     row = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
-    rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+    rows = torch.zeros(dist.get_world_size(), len(values), dtype=torch.float64, device=device)
+    rows[dist.get_rank()] = row
     with peers_must_answer("the gather of the workers' statistics"):
-        dist.all_gather(rows, row)
-    return torch.stack(rows).cpu()
+        run_collective(dist.all_reduce, rows)  # a sum of rows that are zero but one's: the gather
+    return rows.cpu()
 
 
 def init_distributed(device_kind: str, timeout: timedelta) -> torch.device:
@@ -599,8 +600,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     finally:
         dist.destroy_process_group()
-    logger.complete()  # everything is written and the process group is gone
-    exit_without_teardown()
+    logger.complete()  # everything is written and the process group is gone; the interpreter exits as usual
 
 
 if __name__ == "__main__":

@@ -273,9 +273,6 @@ def main() -> None:
                            "decent_train_vs_decent_dp": ours_vs_dp}, f, indent=2)
     dist.barrier()
     dist.destroy_process_group()
-    from decent_train.engine.utils import exit_without_teardown
-
-    exit_without_teardown()  # (the interpreter's teardown of gloo's threads sometimes aborts a finished run)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from decent_train.engine.topology import Topology
-from decent_train.engine.utils import peers_must_answer
+from decent_train.engine.utils import peers_must_answer, run_collective
 
 LEVELS = ("TRACE", "DEBUG", "INFO", "SUCCESS", "WARNING", "ERROR")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -209,12 +209,12 @@ class ConsensusProbe:
         mean = mine.clone()
         if world > 1:
             with peers_must_answer("the consensus distance's all-reduce"):
-                dist.all_reduce(mean)
+                run_collective(dist.all_reduce, mean)
             mean.div_(world)
         sums = torch.stack([(mine - mean).double().square().sum(), mean.double().square().sum() / world])
         if world > 1:
             with peers_must_answer("the consensus distance's all-reduce"):
-                dist.all_reduce(sums)
+                run_collective(dist.all_reduce, sums)
         deviation, norm_squared = sums.tolist()
         distance = math.sqrt(self.scale * deviation / world)
         norm = math.sqrt(self.scale * norm_squared)

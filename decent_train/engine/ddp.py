@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_flatten
 
 from decent_train.engine.optim import LRSchedulerFn, OptimFn
 from decent_train.engine.topology import Edge, Topology, get_topology_class
-from decent_train.engine.utils import CommWaits, ExchangeError, peers_must_answer
+from decent_train.engine.utils import CommWaits, ExchangeError, peers_must_answer, run_collective
 
 __all__ = ["ALLREDUCE", "DecentralizedDataParallel", "ExchangeError", "OPTIM_FN_TYPE", "LR_SCHEDULER_FN_TYPE"]
 
@@ -128,6 +128,11 @@ class _Bucket:
     grads: Tensor | None = None
     grad_views: list[Tensor] = field(default_factory=list)  # each parameter's slice of ``grads``
     gradient_works: list[Any] = field(default_factory=list)
+    # Views keep a second reference to every buffer that an asynchronous collective runs on (``flat`` has ``views``,
+    # ``grads`` has ``grad_views``, ``comm`` this one): gloo's worker thread may drop such a work last, and releasing a
+    # tensor's last reference there takes the GIL, which aborts the process during interpreter teardown
+    # (utils.run_collective).
+    comm_anchor: Tensor | None = None
 
     @property
     def complete(self) -> bool:
@@ -357,7 +362,7 @@ class DecentralizedDataParallel(nn.Module):
         """All workers start from rank 0's parameters, frozen parameters and buffers."""
         if self._world_size > 1:
             for _, tensor in self._state_tensors():
-                dist.broadcast(tensor.data, src=0)
+                run_collective(dist.broadcast, tensor.data, src=0)
 
     @torch.no_grad()
     def _build_buckets(
@@ -414,7 +419,7 @@ class DecentralizedDataParallel(nn.Module):
             for p, offset in zip(params, offsets):
                 p.comm_buffer = _slice_like(comm, offset, p)  # type: ignore[attr-defined]
         scheduler = lr_scheduler_fn(optimizer) if lr_scheduler_fn is not None else None
-        return _Bucket(index, names, params, flat, comm, views, optimizer, scheduler)
+        return _Bucket(index, names, params, flat, comm, views, optimizer, scheduler, comm_anchor=comm.view_as(comm))
 
     # -- training -----------------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -521,7 +526,7 @@ class DecentralizedDataParallel(nn.Module):
                 overflow = torch.stack([t.float() for t in found]).amax().reshape(1)
                 if self._world_size > 1:
                     with peers_must_answer(f"the overflow check at step {self._step}", self._timeout):
-                        dist.all_reduce(overflow, op=dist.ReduceOp.MAX)
+                        run_collective(dist.all_reduce, overflow, op=dist.ReduceOp.MAX)
                 for t in found:
                     t.copy_(overflow.reshape(()))  # what GradScaler.update() reads
                 self._overflow = bool(overflow.item())
@@ -791,7 +796,7 @@ class DecentralizedDataParallel(nn.Module):
     def _average_in_place(self, tensor: Tensor) -> None:
         if self._world_size > 1:
             with peers_must_answer(f"the global average at step {self._step}", self._timeout):
-                dist.all_reduce(tensor)
+                run_collective(dist.all_reduce, tensor)
             tensor.div_(self._world_size)
 
     def _float_buffers(self) -> list[Tensor]:

@@ -1,21 +1,27 @@
 """Process groups for scripts launched by torchrun: setup (decent-dp's ``initialize_dist``, without its pitfalls), a
-clear error when a peer stops answering, waits on exchanges that do not block a GPU's host thread, and a clean exit."""
+clear error when a peer stops answering, waits on exchanges that do not block a GPU's host thread, and collectives
+that let go of their tensors before they return (a clean interpreter exit)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommWaits", "ExchangeError", "initialize_dist", "exit_without_teardown", "peers_must_answer"]
+__all__ = [
+    "CommWaits",
+    "ExchangeError",
+    "initialize_dist",
+    "peers_must_answer",
+    "run_collective",
+]
 
 
 class ExchangeError(RuntimeError):
@@ -93,6 +99,32 @@ class CommWaits:
         return self._seconds
 
 
+def run_collective(collective: Callable[..., Any], tensor: torch.Tensor, **kwargs: Any) -> None:
+    """``collective(tensor, **kwargs)`` (``dist.all_reduce``, ``dist.broadcast``, ...) to completion, like its
+    blocking form; on the CPU it returns only once gloo's worker thread has let go of ``tensor``.
+
+    Why: gloo runs a collective on a worker thread of its own, which holds the work (and so ``tensor``) until it
+    moves on. ``dist.all_reduce(t)`` returns when the result is there and drops its handle, so that thread may drop
+    the last C++ reference to ``t`` after the caller: releasing a tensor that has a Python object takes the GIL
+    (``TensorImpl::decref_pyobject``). If the script reaches interpreter teardown meanwhile, Python ends the waiting
+    thread (pthread_exit) inside the work's destructor and the finished process aborts: SIGABRT, "terminate called
+    without an active exception" (tests/test_clean_exit.py). Here a view of ``tensor`` holds a second reference
+    while the work exists, so whichever thread drops the work never needs the GIL, and the view goes on this thread
+    once the work is gone (usually at once: one reference count read). On a GPU it is the plain blocking call (no
+    host sync).
+    """
+    if tensor.device.type != "cpu":
+        collective(tensor, **kwargs)
+        return
+    anchor = tensor.view_as(tensor)
+    idle = tensor._use_count()  # references without the work's
+    collective(tensor, async_op=True, **kwargs).wait()
+    deadline = time.monotonic() + 60.0
+    while tensor._use_count() > idle and time.monotonic() < deadline:  # the worker thread still holds the work
+        time.sleep(1e-4)
+    del anchor
+
+
 def initialize_dist() -> tuple[int, int]:
     """Initialize torch.distributed from torchrun's environment and return ``(rank, world_size)``.
 
@@ -105,12 +137,3 @@ def initialize_dist() -> tuple[int, int]:
         else:
             dist.init_process_group(backend="gloo")
     return dist.get_rank(), dist.get_world_size()
-
-
-def exit_without_teardown() -> NoReturn:
-    """End a torchrun worker after ``destroy_process_group()`` with exit status 0: flush and skip the interpreter's
-    teardown, where destroying gloo's threads rarely aborts a finished process with SIGABRT ("terminate called
-    without an active exception"; seen in CI; pytorch PR #179291)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
