@@ -39,12 +39,17 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from functools import partial
+from pathlib import Path
+from typing import Any
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.profiler import record_function
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # decent_train from this checkout, installed or not
 
 Step = Callable[[Tensor, Tensor], None]
 
@@ -57,36 +62,81 @@ def make_mlp(width: int, depth: int, seed: int) -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
-def build_local(model: nn.Module, topology: str, local_world_size: int) -> Step:
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+OPTIMIZERS = ("sgd", "adamw", "accum_adamw")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every implementation of one launch shares: the optimizer, the bucket size, the node size."""
+
+    optim: str = "sgd"
+    bucket_mb: float = 25
+    local_world_size: int = 1
+    message_mb: float = 0
+
+
+def make_optimizer(params: list[Tensor], optim: str) -> torch.optim.Optimizer:
+    """The same optimizer for every implementation: SGD (lr 0.01, momentum 0.9), torch's AdamW (lr 1e-3, its default
+    weight decay 0.01) or decent_train's AccumAdamW (lr 1e-3, weight decay 0.01, accum_iter 4)."""
+    if optim == "sgd":
+        return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+    if optim == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3)
+    if optim == "accum_adamw":
+        from decent_train import AccumAdamW
+
+        return AccumAdamW(params, lr=1e-3, weight_decay=0.01, accum_iter=4)
+    raise ValueError(f"--optim {optim!r}: valid are {', '.join(OPTIMIZERS)}")
+
+
+def optim_fn(optim: str) -> Callable[[list[tuple[str, Tensor]]], torch.optim.Optimizer]:
+    """A bucket's optimizer for the engines (they pass (name, parameter) pairs)."""
+    return lambda named: make_optimizer([p for _, p in named], optim)
+
+
+def training_step(model: nn.Module, step_optimizer: Callable[[], None] | None = None) -> Step:
+    """forward, backward and (for plain loops) the optimizer step, each in a profiler scope (``phase_breakdown``)."""
 
     def step(x: Tensor, y: Tensor) -> None:
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+        with record_function("bench.step"):
+            with record_function("bench.forward"):
+                loss = F.cross_entropy(model(x), y)
+            with record_function("bench.backward"):
+                loss.backward()
+            if step_optimizer is not None:
+                step_optimizer()
 
     return step
 
 
-def build_ddp(model: nn.Module, topology: str, local_world_size: int) -> Step:
-    return build_local(nn.parallel.DistributedDataParallel(model), topology, local_world_size)
+def build_local(model: nn.Module, topology: str, setup: Setup) -> Step:
+    opt = make_optimizer(list(model.parameters()), setup.optim)
+
+    def step_optimizer() -> None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return training_step(model, step_optimizer)
 
 
-def build_decent_train(model: nn.Module, topology: str, local_world_size: int, message_mb: float = 0) -> Step:
-    from decent_train import ALLREDUCE, DecentralizedDataParallel, build_topology, optim_fn_sgd
+def build_ddp(model: nn.Module, topology: str, setup: Setup) -> Step:
+    return build_local(nn.parallel.DistributedDataParallel(model, bucket_cap_mb=setup.bucket_mb), topology, setup)
+
+
+def build_decent_train(model: nn.Module, topology: str, setup: Setup) -> Step:
+    from decent_train import ALLREDUCE, DecentralizedDataParallel, build_topology
 
     if topology != ALLREDUCE:  # the engine's gradient all-reduce mode serves any world size
-        build_topology(topology, dist.get_world_size(), local_world_size)  # a ValueError when it cannot serve them
-    optim_fn = partial(optim_fn_sgd, lr=0.01, momentum=0.9, weight_decay=0.0)
+        build_topology(topology, dist.get_world_size(), setup.local_world_size)  # a ValueError when it cannot
     wrapped = DecentralizedDataParallel(
-        model, optim_fn, topology=topology, bucket_size_in_mb=25, local_world_size=local_world_size,
-        message_size_in_mb=message_mb,
+        model, optim_fn(setup.optim), topology=topology, bucket_size_in_mb=setup.bucket_mb,
+        local_world_size=setup.local_world_size, message_size_in_mb=setup.message_mb,
     )
     wrapped.train()
-    return lambda x, y: F.cross_entropy(wrapped(x), y).backward()
+    return training_step(wrapped)
 
 
-def build_decent_dp(model: nn.Module, topology: str, local_world_size: int) -> Step:
+def build_decent_dp(model: nn.Module, topology: str, setup: Setup) -> Step:
     from decent_dp.ddp import DecentralizedDataParallel
     from decent_dp.topo import TopologyReg
 
@@ -94,26 +144,24 @@ def build_decent_dp(model: nn.Module, topology: str, local_world_size: int) -> S
         raise ValueError(f"decent-dp has no topology '{topology}'")
     if topology == "ring" and dist.get_world_size() % 2:  # the check decent-dp does, without its logged error
         raise ValueError(f"decent-dp's ring needs an even world size, got {dist.get_world_size()}")
-
-    def optim_fn(params: list[tuple[str, Tensor]]) -> torch.optim.Optimizer:
-        return torch.optim.SGD([p for _, p in params], lr=0.01, momentum=0.9)
-
     if dist.get_world_size() == 1:
         raise ValueError("decent-dp cannot run one worker (its exchange needs a peer)")
     from decent_train import build_topology
 
-    ours = build_topology(topology, dist.get_world_size(), local_world_size)
+    ours = build_topology(topology, dist.get_world_size(), setup.local_world_size)
     if any(edge.size == 1 for r in range(ours.period) for edge in ours.rounds[r]):
         raise ValueError(f"{topology} leaves a worker alone in a round here; decent-dp 0.2.3 divides by zero there")
     wrapped = DecentralizedDataParallel(
-        model, optim_fn, topology=topology, bucket_size_in_mb=25, _local_world_size=local_world_size
+        model, optim_fn(setup.optim), topology=topology, bucket_size_in_mb=setup.bucket_mb,
+        _local_world_size=setup.local_world_size,
     )
     wrapped.train()
-    return lambda x, y: F.cross_entropy(wrapped(x), y).backward()
+    return training_step(wrapped)
 
 
-BUILDERS: dict[str, Callable[[nn.Module, str, int], Step]] = {
-    "local": build_local, "decent_train": build_decent_train, "decent_dp": build_decent_dp, "ddp": build_ddp,
+BUILDERS: dict[str, Callable[[nn.Module, str, Setup], Step]] = {
+    "local": build_local, "decent_train": build_decent_train, "decent_train_messages": build_decent_train,
+    "decent_dp": build_decent_dp, "ddp": build_ddp,
 }
 
 
@@ -171,13 +219,74 @@ def measure_link(numel: int, repeats: int, message_numel: int = 0) -> float | No
     return statistics.median(times[1:]) if world > 1 else None
 
 
-def main() -> None:
+PHASES = ("forward", "backward", "hooks", "mix", "optimizer", "wait", "launch", "end of backward", "other")
+
+
+def phase_of(event_name: str) -> str | None:
+    """The phase a profiler event starts (None: it belongs to the phase of the event it runs inside).
+
+    ``hooks`` is time in AccumulateGrad nodes outside the engine's own scopes: accumulating the gradient plus the
+    gradient hooks (the engine's Python bookkeeping; DDP's reducer copying gradients into its buckets and launching
+    their all-reduce). ``end of backward`` is backward outside autograd nodes: the callbacks queued for its end (DDP
+    waits there for its last all-reduce and copies the averages back; decent_train's deferred work)."""
+    if event_name == "autograd::engine::evaluate_function: torch::autograd::AccumulateGrad":
+        return "hooks"
+    if event_name.startswith("autograd::engine::evaluate_function:"):
+        return "backward"
+    if event_name.startswith("Optimizer."):  # step and zero_grad, wherever they run
+        return "optimizer"
+    return {
+        "bench.step": "other", "bench.forward": "forward", "bench.backward": "end of backward",
+        "decent_train.mix": "mix", "decent_train.wait": "wait", "decent_train.launch": "launch",
+    }.get(event_name)
+
+
+def phase_breakdown(step: Step, batches: list[tuple[Tensor, Tensor]], steps: int) -> dict[str, float]:
+    """Milliseconds in each of ``PHASES`` of this rank's main thread per step, the median over ``steps`` steps run
+    under torch.profiler (a step stalled by the shared machine does not skew it): every event's self time goes to
+    the phase of its nearest enclosing scope that names one."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(steps):
+            step(*batches[i % len(batches)])
+
+    def attribute(event: Any, phase: str, totals: dict[str, float]) -> None:
+        phase = phase_of(event.name) or phase
+        totals[phase] += event.cpu_time_total - sum(child.cpu_time_total for child in event.cpu_children)
+        for child in event.cpu_children:
+            attribute(child, phase, totals)
+
+    per_step = []
+    for event in prof.events():
+        if event.name == "bench.step" and event.cpu_parent is None:
+            per_step.append(dict.fromkeys(PHASES, 0.0))
+            attribute(event, "other", per_step[-1])
+    return {phase: statistics.median(t[phase] for t in per_step) / 1000 for phase in PHASES}
+
+
+def print_phases(phases: dict[str, dict[str, float]]) -> None:
+    print("per-phase ms/step, median over the profiled steps (rank 0, torch.profiler; see phase_of):")
+    print(f"{'implementation':<34} " + " ".join(f"{p[:9]:>9}" for p in PHASES) + f" {'sum':>9}")
+    for name, times in phases.items():
+        print(f"{name:<34} " + " ".join(f"{times[p]:>9.2f}" for p in PHASES) + f" {sum(times.values()):>9.2f}")
+
+
+def parser() -> argparse.ArgumentParser:
+    """bench_engine.py's options (benchmark.py reads them too, to know which implementations a launch measures)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--topologies", default="ring", help="comma-separated")
     p.add_argument("--local-world-size", type=int, default=1, help="workers per node that topologies assume")
+    p.add_argument("--optim", default="sgd", choices=OPTIMIZERS, help="the optimizer of every implementation")
+    p.add_argument("--bucket-mb", type=float, default=25, help="bucket size of every implementation (DDP: bucket_cap_mb)")
+    p.add_argument("--only", default=None,
+                   help="comma-separated implementation names (e.g. ddp or decent_train/ring): measure just these")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--phases", type=int, default=0, metavar="STEPS",
+                   help="after timing, profile this many steps of each implementation: time per phase")
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--batch", type=int, default=64)
@@ -185,7 +294,20 @@ def main() -> None:
     p.add_argument("--message-mb", type=float, default=0,
                    help="also measure decent_train with pair exchanges split into messages of this size")
     p.add_argument("--json", default=None, help="write the results here (rank 0)")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
+
+    candidates = implementations(args.topologies.split(","), args.message_mb)
+    if args.only:
+        known = [name for name, _, _ in candidates]
+        unknown = [name for name in args.only.split(",") if name not in known]
+        if unknown:
+            sys.exit(f"bench_engine.py: --only {','.join(unknown)}: not measured here; valid: {', '.join(known)}")
+        candidates = [c for c in candidates if c[0] in args.only.split(",")]
+    setup = Setup(args.optim, args.bucket_mb, args.local_world_size)
 
     torch.set_num_threads(1)
     dist.init_process_group(backend="gloo")
@@ -209,13 +331,13 @@ def main() -> None:
 
     steps: dict[str, Step] = {}
     skipped: dict[str, str] = {}
-    for name, builder, topology in implementations(args.topologies.split(","), args.message_mb):
+    for name, builder, topology in candidates:
         model = make_mlp(args.width, args.depth, args.seed)
         reason = ""
-        build = (partial(build_decent_train, message_mb=args.message_mb) if builder == "decent_train_messages"
-                 else BUILDERS[builder])
         try:
-            steps[name] = build(model, topology, args.local_world_size)
+            steps[name] = BUILDERS[builder](
+                model, topology, replace(setup, message_mb=args.message_mb if builder == "decent_train_messages" else 0)
+            )
         except (ImportError, ValueError) as exc:
             if builder not in ("decent_dp", "decent_train", "decent_train_messages"):
                 raise
@@ -232,11 +354,13 @@ def main() -> None:
         for name, step in steps.items():
             seconds = timed_run(step, batches, args.warmup, args.steps)
             rates[name].append(args.batch * world * args.steps / seconds)
+    phases = {name: phase_breakdown(step, batches, args.phases) for name, step in steps.items()} if args.phases else {}
 
     if rank == 0:
         med = {name: statistics.median(r) for name, r in rates.items()}
         results = {name: {"samples_per_s": r, "median": med[name], "min": min(r), "max": max(r),
-                          "vs_local": med[name] / med["local"], "vs_ddp": med[name] / med["ddp"]}
+                          "vs_local": med[name] / med["local"] if "local" in med else None,
+                          "vs_ddp": med[name] / med["ddp"] if "ddp" in med else None}
                    for name, r in rates.items()}
         ours_vs_dp = {
             t: med[f"decent_train/{t}"] / med[f"decent_dp/{t}"]
@@ -249,7 +373,8 @@ def main() -> None:
         print(f"command: torchrun --nproc_per_node={world} {shlex.join(sys.argv)}")
         print(f"world size {world}, gloo, CPU, {torch.get_num_threads()} thread/worker, {versions}")
         print(f"MLP width {args.width} depth {args.depth} ({parameters / 1e6:.2f}M parameters), batch {args.batch}/rank, "
-              f"{args.repeats} x ({args.warmup} warmup + {args.steps} timed) steps")
+              f"{args.optim}, {args.bucket_mb:g} MB buckets, {args.repeats} x ({args.warmup} warmup + {args.steps} "
+              "timed) steps")
         if link_seconds is not None:
             print(f"link: a pair exchange of the model ({parameters * 4 / 1e6:.1f} MB each way, no compute) takes "
                   f"{1000 * link_seconds:.1f} ms: {parameters * 32 / link_seconds / 1e9:.2f} Gbit/s each way")
@@ -258,19 +383,21 @@ def main() -> None:
                   f"{parameters * 32 / link_split_seconds / 1e9:.2f} Gbit/s each way")
         print(f"{'implementation':<34} {'samples/s':>10} {'min':>10} {'max':>10} {'vs local':>9} {'vs ddp':>7}")
         for name, r in results.items():
-            print(f"{name:<34} {r['median']:>10.1f} {r['min']:>10.1f} {r['max']:>10.1f} "
-                  f"{r['vs_local']:>9.3f} {r['vs_ddp']:>7.3f}")
+            ratios = " ".join(f"{x:>{w}.3f}" if x is not None else f"{'-':>{w}}"
+                              for x, w in ((r["vs_local"], 9), (r["vs_ddp"], 7)))
+            print(f"{name:<34} {r['median']:>10.1f} {r['min']:>10.1f} {r['max']:>10.1f} {ratios}")
         for name, reason in skipped.items():
             print(f"{name:<34} skipped: {reason}")
         for t, ratio in ours_vs_dp.items():
             print(f"decent_train / decent_dp on {t}: {ratio:.3f}")
+        if phases:
+            print_phases(phases)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"argv": sys.argv, "world_size": world, "torch": torch.__version__, "args": vars(args),
-                           "parameters": parameters, "link_exchange_s": link_seconds,
-                           "link_exchange_split_s": link_split_seconds, "results": results,
-                           "skipped": skipped,
-                           "decent_train_vs_decent_dp": ours_vs_dp}, f, indent=2)
+                           "setup": asdict(setup), "parameters": parameters, "link_exchange_s": link_seconds,
+                           "link_exchange_split_s": link_split_seconds, "results": results, "phases": phases,
+                           "skipped": skipped, "decent_train_vs_decent_dp": ours_vs_dp}, f, indent=2)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -5,7 +5,15 @@ optionally on an emulated slow network; a table, a JSON file and a chart.
     python scripts/benchmark.py --workers 2,4,8 --rate 4gbit --out bench/4gbit     # root: ip netns + tc
 
 Each worker count is one torchrun launch of ``scripts/bench_engine.py``, which runs every implementation in that one
-launch, interleaved, on the same model and batches (see its docstring). ``--rate`` runs the launch inside a private
+launch, interleaved, on the same model and batches (see its docstring). With ``--launches separate`` every
+implementation runs in a launch of its own instead, as a user's job does, ``--rounds`` times with the implementations
+taking turns; the table then holds the median over rounds:
+
+    python scripts/benchmark.py --workers 2,4 --launches separate --rounds 3 --optim adamw --bucket-mb 4 \
+        --topologies ring --phases 5 --out bench/adamw_4mb
+
+``--optim``, ``--bucket-mb`` and ``--phases`` (a per-phase profile) go to bench_engine.py, as do its other options.
+``--rate`` runs the launch inside a private
 network namespace whose loopback, the only link the workers use, is limited by a token bucket (``tc qdisc ... tbf
 rate R``), optionally with ``--delay`` added (netem): every byte between workers crosses it, so the workers share one
 link. ``--links per-worker`` gives every worker a link of its own instead, as nodes of a cluster have: one namespace
@@ -21,6 +29,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -29,6 +38,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import bench_engine  # noqa: E402  (its option parser, implementation names and phases)
+
 # bench_engine.py's options as this command sets them by default; any of its options given here come after and win.
 BENCH_DEFAULTS = ["--topologies=ring,complete,one-peer-exp,alternating-exp-ring", "--steps=30", "--warmup=5",
                   "--repeats=5", "--width=1280", "--depth=4", "--batch=64"]
@@ -116,11 +128,13 @@ def per_worker_links(rate: str, workers: int) -> Iterator[list[list[str]]]:
         yield [["ip", "netns", "exec", name, "env", "GLOO_SOCKET_IFNAME=eth0"] for name in names]
 
 
-def run_one(prefixes: list[list[str]], workers: int, bench_args: list[str], out: Path, timeout: float) -> dict:
+def run_one(
+    prefixes: list[list[str]], workers: int, bench_args: list[str], out: Path, timeout: float, tag: str = ""
+) -> dict:
     """One launch: a single torchrun agent (one prefix), or one agent per worker, each in its own namespace; stopped
-    after ``timeout`` seconds."""
+    after ``timeout`` seconds. ``tag`` names its files (``workers{N}{tag}.*``)."""
     deadline = time.monotonic() + timeout
-    result = out / f"workers{workers}.json"
+    result = out / f"workers{workers}{tag}.json"
     bench = [str(HERE / "bench_engine.py"), *BENCH_DEFAULTS, *bench_args, f"--json={result}"]
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
     if len(prefixes) == 1:
@@ -136,7 +150,8 @@ def run_one(prefixes: list[list[str]], workers: int, bench_args: list[str], out:
         print(f"$ {' '.join(command)}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     # Each agent writes to files, not pipes: waiting on one agent while another fills its pipe would deadlock them.
-    logs = [(out / f"workers{workers}.agent{k}.out", out / f"workers{workers}.agent{k}.err") for k in range(len(commands))]
+    logs = [(out / f"workers{workers}{tag}.agent{k}.out", out / f"workers{workers}{tag}.agent{k}.err")
+            for k in range(len(commands))]
     with contextlib.ExitStack() as files:
         procs = [
             subprocess.Popen(c, env=env, stdout=files.enter_context(o.open("w")), stderr=files.enter_context(e.open("w")),
@@ -159,6 +174,51 @@ def run_one(prefixes: list[list[str]], workers: int, bench_args: list[str], out:
     return json.loads(result.read_text())
 
 
+def run_separately(
+    prefixes: list[list[str]], workers: int, bench_args: list[str], out: Path, timeout: float, rounds: int
+) -> dict:
+    """Each implementation in a launch of its own, ``rounds`` times, the implementations taking turns within a round.
+
+    One launch then holds one engine, its process groups and its memory, as a user's job does. The result has the
+    shape of a single launch's: per implementation the median of each round's launch, their median, min and max, and
+    the ratios of the medians; ``phases`` (with ``--phases``) is the per-phase median over rounds.
+    """
+    options = bench_engine.parser().parse_args([*BENCH_DEFAULTS, *bench_args])
+    names = [name for name, _, _ in bench_engine.implementations(options.topologies.split(","), options.message_mb)]
+    launches: dict[str, list[dict]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names:
+            tag = f".{name.replace('/', '_')}.round{r}"
+            launches[name].append(run_one(prefixes, workers, [*bench_args, f"--only={name}"], out, timeout, tag))
+    first = next(iter(launches.values()))[0]
+    rates = {name: [run["results"][name]["median"] for run in runs] for name, runs in launches.items()
+             if all(name in run["results"] for run in runs)}
+    skipped = {name: runs[0]["skipped"].get(name, "failed in some round") for name, runs in launches.items()
+               if name not in rates}
+    med = {name: statistics.median(r) for name, r in rates.items()}
+    results = {name: {"samples_per_s": r, "median": med[name], "min": min(r), "max": max(r),
+                      "vs_local": med[name] / med["local"] if "local" in med else None,
+                      "vs_ddp": med[name] / med["ddp"] if "ddp" in med else None}
+               for name, r in rates.items()}
+    phases = {
+        name: {phase: statistics.median(run["phases"][name][phase] for run in launches[name])
+               for phase in bench_engine.PHASES}
+        for name in rates if all(name in run.get("phases", {}) for run in launches[name])
+    }
+    merged = {**first, "argv": sys.argv, "rounds": rounds, "launches": "separate", "results": results,
+              "phases": phases, "skipped": skipped}
+    (out / f"workers{workers}.json").write_text(json.dumps(merged, indent=2))
+    print(f"{workers} workers, each implementation in its own launch, medians of {rounds} rounds:")
+    for name, r in results.items():
+        ratios = ", ".join(f"{x:.3f}x {what}" for x, what in ((r["vs_local"], "local"), (r["vs_ddp"], "DDP"))
+                           if x is not None)
+        print(f"  {name:<34} {r['median']:>8.1f} samples/s ({ratios}); rounds: "
+              + ", ".join(f"{x:.0f}" for x in r["samples_per_s"]))
+    if phases:
+        bench_engine.print_phases(phases)
+    return merged
+
+
 def chart(runs: dict[int, dict], title: str, path: Path) -> None:
     """Throughput relative to the no-communication loop, one group of bars per worker count."""
     import matplotlib
@@ -170,8 +230,9 @@ def chart(runs: dict[int, dict], title: str, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(names) * len(runs) / 2), 4.5))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
-        xs = [j + i * width for j, run in enumerate(runs.values()) if name in run["results"]]
-        ys = [run["results"][name]["vs_local"] for run in runs.values() if name in run["results"]]
+        kept = [(j, run["results"][name]["vs_local"]) for j, run in enumerate(runs.values())
+                if run["results"].get(name, {}).get("vs_local") is not None]
+        xs, ys = [j + i * width for j, _ in kept], [y for _, y in kept]
         ax.bar(xs, ys, width, label=name)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(runs))], [f"{n} workers" for n in runs])
@@ -196,22 +257,33 @@ def main() -> None:
                    help="with --rate: one link shared by all workers, or one per worker")
     p.add_argument("--out", type=Path, default=Path("bench"))
     p.add_argument("--timeout", type=float, default=3600, help="seconds a launch may take before it is stopped")
+    p.add_argument("--launches", choices=("shared", "separate"), default="shared",
+                   help="all implementations interleaved in one launch per worker count, or each in its own launch")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="with --launches separate: rounds of one launch per implementation, taking turns")
     args, bench_args = p.parse_known_args()
+    if args.rounds < 1:
+        sys.exit(f"benchmark.py: --rounds {args.rounds}: must be at least 1")
+
+    def measure(prefixes: list[list[str]], workers: int) -> dict:
+        if args.launches == "separate":
+            return run_separately(prefixes, workers, bench_args, args.out, args.timeout, args.rounds)
+        return run_one(prefixes, workers, bench_args, args.out, args.timeout)
 
     args.out.mkdir(parents=True, exist_ok=True)
     runs: dict[int, dict] = {}
     if args.rate and args.links == "per-worker":
         for workers in [int(w) for w in args.workers.split(",")]:
             with per_worker_links(args.rate, workers) as prefixes:
-                runs[workers] = run_one(prefixes, workers, bench_args, args.out, args.timeout)
+                runs[workers] = measure(prefixes, workers)
         network = f"a {args.rate} link per worker"
     else:
         with emulated_network(args.rate, args.delay) as prefix:
             for workers in [int(w) for w in args.workers.split(",")]:
-                runs[workers] = run_one([prefix], workers, bench_args, args.out, args.timeout)
+                runs[workers] = measure([prefix], workers)
         delay = f", +{args.delay} delay" if args.delay else ""
         network = f"loopback limited to {args.rate}{delay}" if args.rate else "loopback"
-    summary = {"argv": sys.argv, "network": network, "runs": runs}
+    summary = {"argv": sys.argv, "network": network, "launches": args.launches, "runs": runs}
     (args.out / "results.json").write_text(json.dumps(summary, indent=2))
     parameters = next(iter(runs.values()))["parameters"]
     chart(runs, f"MLP {parameters / 1e6:.1f}M parameters, gloo on CPU, {network}", args.out / "throughput.png")
@@ -223,7 +295,9 @@ def main() -> None:
         cells = []
         for run in runs.values():
             r = run["results"].get(name)
-            cells.append(f"{r['median']:.0f} ({r['vs_local']:.2f}x local, {r['vs_ddp']:.2f}x DDP)" if r else "skipped")
+            ratios = ", ".join(f"{x:.2f}x {what}" for x, what in ((r["vs_local"], "local"), (r["vs_ddp"], "DDP"))
+                               if x is not None) if r else ""
+            cells.append(f"{r['median']:.0f} ({ratios})" if r else "skipped")
         print(f"| {name} | " + " | ".join(cells) + " |")
     print(f"written: {args.out / 'results.json'}, {args.out / 'throughput.png'}")
 

@@ -44,13 +44,14 @@ import torch.distributed as dist
 from loguru import logger
 from torch import Tensor, nn
 from torch.autograd import Variable
+from torch.autograd.profiler import record_function
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils._pytree import tree_flatten
 
 from decent_train.engine.optim import LRSchedulerFn, OptimFn
 from decent_train.engine.topology import Edge, Topology, get_topology_class
-from decent_train.engine.utils import CommWaits, ExchangeError, peers_must_answer, run_collective
+from decent_train.engine.utils import CommWaits, ExchangeError, PairPoster, peers_must_answer, run_collective
 
 __all__ = ["ALLREDUCE", "DecentralizedDataParallel", "ExchangeError", "OPTIM_FN_TYPE", "LR_SCHEDULER_FN_TYPE"]
 
@@ -267,6 +268,7 @@ class DecentralizedDataParallel(nn.Module):
         self._global_average: _GlobalAverage | None = None
         self._overflow = False  # fp16: an inf/nan gradient on some worker at this step (read once per step)
         self._waits = CommWaits(self._timeout)
+        self._pairs = PairPoster()
 
         self._check_same_model_everywhere()
         self._broadcast_from_rank0()
@@ -537,9 +539,11 @@ class DecentralizedDataParallel(nn.Module):
     @torch.no_grad()
     def _process(self, bucket: _Bucket) -> None:
         """Gossip: mix with the neighbours' x^s, take the local step, launch the exchange of x^{s+1}."""
-        self._mix(bucket)
+        with record_function("decent_train.mix"):
+            self._mix(bucket)
         self._step_bucket(bucket)
-        self._launch(bucket, self._phase.round_of(self._step + 1))
+        with record_function("decent_train.launch"):
+            self._launch(bucket, self._phase.round_of(self._step + 1))
 
     def _step_bucket(self, bucket: _Bucket) -> None:
         """The bucket's optimizer and scheduler step; with fp16 loss scaling, unless a gradient overflowed on some
@@ -596,7 +600,7 @@ class DecentralizedDataParallel(nn.Module):
         if edge.size == 2:
             peer = edge.ranks[0] if edge.ranks[1] == self._rank else edge.ranks[1]
             pieces = zip(self._message_pieces(value), self._message_pieces(bucket.comm))
-            return dist.batch_isend_irecv(
+            return self._pairs.post(
                 [
                     op
                     for i, (send, receive) in enumerate(pieces)
@@ -649,7 +653,7 @@ class DecentralizedDataParallel(nn.Module):
             peers = [r for r in ranks if r != self._rank]
             return f"the {what} of bucket {bucket.index} with rank(s) {peers} at step {self._step}"
 
-        with peers_must_answer(described, self._timeout):
+        with peers_must_answer(described, self._timeout), record_function("decent_train.wait"):
             self._waits.wait(works, bucket.flat.device)
 
     def _mix(self, bucket: _Bucket) -> None:

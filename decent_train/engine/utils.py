@@ -1,9 +1,11 @@
 """Process groups for scripts launched by torchrun: setup (decent-dp's ``initialize_dist``, without its pitfalls), a
-clear error when a peer stops answering, waits on exchanges that do not block a GPU's host thread, and collectives
-that let go of their tensors before they return (a clean interpreter exit)."""
+clear error when a peer stops answering, waits on exchanges that do not block a GPU's host thread, point-to-point
+sends that do not run on the training thread, and collectives that let go of their tensors before they return (a
+clean interpreter exit)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import time
@@ -17,6 +19,7 @@ import torch.distributed as dist
 
 __all__ = [
     "CommWaits",
+    "PairPoster",
     "ExchangeError",
     "initialize_dist",
     "peers_must_answer",
@@ -97,6 +100,46 @@ class CommWaits:
         """Total stall so far (on a GPU this waits for the events recorded so far: read it between steps)."""
         self._collect(block=True)
         return self._seconds
+
+
+class PairPoster:
+    """Posts a pair's sends and receives (``dist.batch_isend_irecv``); on the CPU from a thread of its own.
+
+    Why: gloo's TCP transport writes a send on the calling thread for as long as the socket takes more
+    (``Pair::write``), and on loopback or a fast link that is most of the message: 10-13 ms of the training thread per
+    step for a 25 MB model in 4 MB buckets (scripts/BENCHMARKS.md). Posted from another thread, the copy into the
+    socket overlaps computation (c10d releases the GIL while it sends). The batches are posted in the order given, so
+    each peer still sees a bucket's messages in order. CUDA tensors are posted inline: NCCL's posting is
+    asynchronous already.
+    """
+
+    def __init__(self) -> None:
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def post(self, ops: list[dist.P2POp]) -> list[Any]:
+        """Start ``ops``; what to wait on (each has ``wait(timeout=None)`` like a Work)."""
+        if ops[0].tensor.device.type != "cpu":
+            return dist.batch_isend_irecv(ops)
+        if self._thread is None:  # its thread ends when the engine is collected, or at interpreter exit
+            self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="decent_train-p2p")
+        return [_PostedBatch(self._thread.submit(dist.batch_isend_irecv, ops))]
+
+
+class _PostedBatch:
+    """Point-to-point works being posted on the :class:`PairPoster`'s thread, waited on as one."""
+
+    def __init__(self, future: concurrent.futures.Future[list[Any]]):
+        self._future = future
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        seconds = timeout.total_seconds() if timeout is not None else None
+        try:
+            works = self._future.result(seconds)  # posting's own failure (a closed connection) is raised here
+        except concurrent.futures.TimeoutError:
+            raise RuntimeError(f"the sends were not posted within {seconds:g} s") from None
+        for work in works:
+            work.wait() if timeout is None else work.wait(timeout)
+        return True
 
 
 def run_collective(collective: Callable[..., Any], tensor: torch.Tensor, **kwargs: Any) -> None:
