@@ -184,7 +184,8 @@ def run_separately(
     the ratios of the medians; ``phases`` (with ``--phases``) is the per-phase median over rounds.
     """
     options = bench_engine.parser().parse_args([*BENCH_DEFAULTS, *bench_args])
-    names = [name for name, _, _ in bench_engine.implementations(options.topologies.split(","), options.message_mb)]
+    names = [name for name, _, _ in bench_engine.implementations(options.topologies.split(","), options.message_mb)
+             if not options.only or name in options.only.split(",")]
     launches: dict[str, list[dict]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names:

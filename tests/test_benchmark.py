@@ -112,3 +112,36 @@ def test_overhead_benchmark_runs_both_loops_on_cpu(tmp_path: Path) -> None:
         assert r["plain_over_engine"] == pytest.approx(r["plain_ms"] / r["engine_ms"])
         assert r["plain_ms"] > 0 and r["engine_ms"] > 0
     assert "| resnet50 |" in proc.stdout and "| gpt2 |" in proc.stdout
+
+
+def test_benchmark_runs_each_implementation_in_its_own_launch_in_turns(tmp_path: Path) -> None:
+    """--launches separate: one launch per implementation and round, the implementations taking turns; the table is
+    the median over rounds, with the optimizer, bucket size and per-phase profile asked for."""
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--workers=2", "--launches=separate", "--rounds=2", "--optim=adamw",
+         "--bucket-mb=0.01", "--phases=2", "--width=32", "--depth=2", "--batch=8", "--steps=2", "--warmup=1",
+         "--repeats=1", "--topologies=ring", "--only=decent_train/ring,ddp", f"--out={out}"],
+        capture_output=True, text=True, timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr
+    launched = re.findall(r"^\$ .* --only=(\S+) --json=\S+round(\d)\.json$", proc.stdout, re.MULTILINE)
+    assert launched == [("decent_train/ring", "0"), ("ddp", "0"), ("decent_train/ring", "1"), ("ddp", "1")]
+    for name, r in launched:
+        single = json.loads((out / f"workers2.{name.replace('/', '_')}.round{r}.json").read_text())
+        assert set(single["results"]) == {name}  # one implementation per launch
+        assert single["setup"]["optim"] == "adamw" and single["setup"]["bucket_mb"] == 0.01
+    run = json.loads((out / "results.json").read_text())["runs"]["2"]
+    assert run["launches"] == "separate" and run["rounds"] == 2
+    results = run["results"]
+    assert set(results) == {"decent_train/ring", "ddp"}
+    for name, r in results.items():
+        rounds = [json.loads((out / f"workers2.{name.replace('/', '_')}.round{k}.json").read_text())["results"][name]
+                  ["median"] for k in range(2)]
+        assert r["samples_per_s"] == rounds and r["median"] == pytest.approx(sum(rounds) / 2)
+        assert r["vs_ddp"] == pytest.approx(r["median"] / results["ddp"]["median"]) and r["vs_local"] is None
+    phases = run["phases"]
+    assert phases["decent_train/ring"]["mix"] > 0 and phases["ddp"]["mix"] == 0  # only the engine mixes
+    assert phases["ddp"]["end of backward"] > 0  # DDP waits for its all-reduce there
+    assert all(t >= 0 for p in phases.values() for t in p.values())
+    assert "per-phase ms/step" in proc.stdout and "| decent_train/ring |" in proc.stdout
