@@ -2,26 +2,31 @@
 
 Run on CPU with the gloo backend, one torchrun launch, all implementations side by side::
 
-    torchrun --standalone --nproc_per_node=2 scripts/bench_engine.py [--topologies ring,complete] [--steps 30] \
-        [--warmup 5] [--repeats 3] [--width 1024] [--depth 4] [--batch 64] [--local-world-size 1] [--json out.json]
+    torchrun --standalone --nproc_per_node=2 scripts/bench_engine.py [--topologies ring,complete] [--optim adamw] \
+        [--bucket-mb 4] [--only ddp,decent_train/ring] [--phases 20] [--steps 30] [--warmup 5] [--repeats 3] \
+        [--width 1024] [--depth 4] [--batch 64] [--local-world-size 1] [--json out.json]
 
-``scripts/benchmark.py`` runs it for several worker counts, optionally on a rate-limited network, and draws the chart.
-Every rank builds, from the same seed, an MLP (``depth`` x Linear(width, width)+ReLU, then Linear(width, 10)) for each of
+``scripts/benchmark.py`` runs it for several worker counts, optionally on a rate-limited network or with each
+implementation in a launch of its own, and draws the chart. Every rank builds, from the same seed, an MLP (``depth`` x
+Linear(width, width)+ReLU, then Linear(width, 10)) for each of
 
-* ``local``: plain model and ``torch.optim.SGD`` after backward, no communication (the ideal limit);
+* ``local``: plain model and optimizer step after backward, no communication (the ideal limit);
 * ``decent_train/TOPOLOGY``: our DecentralizedDataParallel (optimizer steps inside backward), for each topology;
   ``allreduce`` as a topology is the engine's gradient all-reduce mode;
 * ``decent_dp/TOPOLOGY``: decent-dp 0.2.3's class on the same topologies (skipped, with the reason, if it is not
   installed or the topology cannot serve this world size);
-* ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` and SGD.
+* ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (``bucket_cap_mb`` = ``--bucket-mb``).
 
 ``--local-world-size`` is the workers per node that node-aware topologies (alternating-exp-ring) assume: 1 (the
 default) makes every worker a node, which is what an emulated network with one slow link between all workers models.
 
-All use SGD (lr 0.01, momentum 0.9, no weight decay) on synthetic batches generated per rank before timing. The
-machine is shared and noisy, so the implementations are interleaved: each repeat runs, for each implementation,
-``warmup`` untimed steps then ``steps`` timed steps between two barriers (the window ends when the slowest rank is done).
-Throughput is global: ``batch * world_size * steps / seconds``; the table shows the median over repeats and min/max.
+All use the optimizer of ``--optim`` (``make_optimizer``: SGD lr 0.01 with momentum 0.9, torch's AdamW lr 1e-3, or
+decent_train's AccumAdamW) and the bucket size of ``--bucket-mb``, on synthetic batches generated per rank before
+timing. The machine is shared and noisy, so the implementations are interleaved: each repeat runs, for each
+implementation, ``warmup`` untimed steps then ``steps`` timed steps between two barriers (the window ends when the
+slowest rank is done). Throughput is global: ``batch * world_size * steps / seconds``; the table shows the median over
+repeats and min/max. ``--phases N`` then profiles N steps of each implementation with torch.profiler and prints the
+median time per step of each phase (``phase_of``) on rank 0.
 
 Reading the ratios: ``vs local`` is the fraction of communication-free throughput kept (1.0 = communication fully
 hidden or free); ``vs ddp`` > 1 means faster than torch's all-reduce DDP; ``decent_train / decent_dp`` > 1 means our
@@ -177,6 +182,16 @@ def implementations(topologies: list[str], message_mb: float = 0) -> list[tuple[
     ]
 
 
+def summarize(rates: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
+    """Per implementation: its samples/s, their median, min and max, and the median's ratios to the
+    communication-free loop's and DDP's (None where they were not measured)."""
+    med = {name: statistics.median(r) for name, r in rates.items()}
+    return {name: {"samples_per_s": r, "median": med[name], "min": min(r), "max": max(r),
+                   "vs_local": med[name] / med["local"] if "local" in med else None,
+                   "vs_ddp": med[name] / med["ddp"] if "ddp" in med else None}
+            for name, r in rates.items()}
+
+
 def all_ranks_ok(ok: bool) -> bool:
     flag = torch.tensor([int(ok)])
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
@@ -279,7 +294,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--topologies", default="ring", help="comma-separated")
     p.add_argument("--local-world-size", type=int, default=1, help="workers per node that topologies assume")
     p.add_argument("--optim", default="sgd", choices=OPTIMIZERS, help="the optimizer of every implementation")
-    p.add_argument("--bucket-mb", type=float, default=25, help="bucket size of every implementation (DDP: bucket_cap_mb)")
+    p.add_argument("--bucket-mb", type=float, default=25,
+                   help="bucket size of every implementation (DDP: bucket_cap_mb)")
     p.add_argument("--only", default=None,
                    help="comma-separated implementation names (e.g. ddp or decent_train/ring): measure just these")
     p.add_argument("--steps", type=int, default=30)
@@ -357,11 +373,8 @@ def main() -> None:
     phases = {name: phase_breakdown(step, batches, args.phases) for name, step in steps.items()} if args.phases else {}
 
     if rank == 0:
-        med = {name: statistics.median(r) for name, r in rates.items()}
-        results = {name: {"samples_per_s": r, "median": med[name], "min": min(r), "max": max(r),
-                          "vs_local": med[name] / med["local"] if "local" in med else None,
-                          "vs_ddp": med[name] / med["ddp"] if "ddp" in med else None}
-                   for name, r in rates.items()}
+        results = summarize(rates)
+        med = {name: r["median"] for name, r in results.items()}
         ours_vs_dp = {
             t: med[f"decent_train/{t}"] / med[f"decent_dp/{t}"]
             for t in args.topologies.split(",")

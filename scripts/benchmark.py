@@ -196,11 +196,7 @@ def run_separately(
              if all(name in run["results"] for run in runs)}
     skipped = {name: runs[0]["skipped"].get(name, "failed in some round") for name, runs in launches.items()
                if name not in rates}
-    med = {name: statistics.median(r) for name, r in rates.items()}
-    results = {name: {"samples_per_s": r, "median": med[name], "min": min(r), "max": max(r),
-                      "vs_local": med[name] / med["local"] if "local" in med else None,
-                      "vs_ddp": med[name] / med["ddp"] if "ddp" in med else None}
-               for name, r in rates.items()}
+    results = bench_engine.summarize(rates)
     phases = {
         name: {phase: statistics.median(run["phases"][name][phase] for run in launches[name])
                for phase in bench_engine.PHASES}

@@ -21,11 +21,13 @@ def test_benchmark_measures_every_implementation_and_draws_the_chart(tmp_path: P
     out = tmp_path / "bench"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--workers=2", "--width=32", "--depth=1", "--batch=8", "--steps=2",
-         "--warmup=1", "--repeats=1", "--topologies=ring,alternating-exp-ring,allreduce", f"--out={out}"],
+         "--warmup=1", "--repeats=1", "--topologies=ring,alternating-exp-ring,allreduce", "--optim=accum_adamw",
+         f"--out={out}"],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     run = json.loads((out / "results.json").read_text())["runs"]["2"]
+    assert run["setup"] == {"optim": "accum_adamw", "bucket_mb": 25, "local_world_size": 1, "message_mb": 0}
     results = run["results"]
     assert set(results) == {
         "local", "ddp", "decent_train/ring", "decent_train/alternating-exp-ring", "decent_train/allreduce",

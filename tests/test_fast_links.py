@@ -7,6 +7,7 @@ operators torch.profiler records inside the engine's scopes, for the cost.
 from __future__ import annotations
 
 import concurrent.futures
+import multiprocessing
 import threading
 from datetime import timedelta
 from typing import Any
@@ -45,7 +46,9 @@ def _train_recording_posting_threads(rank: int, world_size: int, topology: str) 
 
 
 @pytest.mark.parametrize("topology, world_size", [("ring", 4), ("one-peer-exp", 4), ("ring", 2)])
-def test_pair_sends_are_posted_off_the_training_thread_and_values_match_the_replay(topology: str, world_size: int) -> None:
+def test_pair_sends_are_posted_off_the_training_thread_and_values_match_the_replay(
+    topology: str, world_size: int
+) -> None:
     """gloo writes a send on the calling thread until the socket is full: the engine posts pairs from its own thread."""
     results = run_workers(_train_recording_posting_threads, world_size, topology=topology)
     for result in results:
@@ -95,6 +98,24 @@ def test_cuda_tensors_are_posted_inline(monkeypatch: pytest.MonkeyPatch) -> None
     poster = PairPoster()
     assert poster.post([CudaOp()]) == ["work"]  # a meta tensor stands in for CUDA: anything not on the CPU
     assert calls == [True] and poster._thread is None
+
+
+def _post_once(poster: PairPoster) -> None:
+    class CpuOp:
+        tensor = torch.zeros(1)
+
+    poster.post([CpuOp()])[0].wait(timedelta(seconds=5))
+
+
+def test_a_forked_child_posts_from_a_thread_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fork copies the poster but not its thread: the child starts one instead of queueing work nobody runs."""
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [])
+    poster = PairPoster()
+    _post_once(poster)  # the parent's thread exists now
+    child = multiprocessing.get_context("fork").Process(target=_post_once, args=(poster,))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
 
 
 def _profile_engine_scopes(rank: int, world_size: int, topology: str) -> dict[str, Any]:

@@ -15,7 +15,8 @@ done, the bucket
 3. launches the exchange of x^{s+1} with its group of round s+1, asynchronously.
 
 So the exchange overlaps the rest of backward, data loading and the next forward. A pair exchanges by one
-send/receive straight from the parameter memory and one average; a larger group all-reduces a copy. With gradient
+send/receive straight from the parameter memory (on the CPU posted from a thread of its own: gloo writes a send on the
+calling thread) and one average; a larger group all-reduces a copy. With gradient
 clipping or a GradScaler every gradient must be known before any bucket steps (global norm, overflow on any worker),
 so steps move to the end of backward; the exchange still overlaps the next forward.
 

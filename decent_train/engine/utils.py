@@ -106,8 +106,8 @@ class PairPoster:
     """Posts a pair's sends and receives (``dist.batch_isend_irecv``); on the CPU from a thread of its own.
 
     Why: gloo's TCP transport writes a send on the calling thread for as long as the socket takes more
-    (``Pair::write``), and on loopback or a fast link that is most of the message: 10-13 ms of the training thread per
-    step for a 25 MB model in 4 MB buckets (scripts/BENCHMARKS.md). Posted from another thread, the copy into the
+    (``Pair::write``), and on loopback or a fast link that is most of the message: 3-23 ms of the training thread per
+    step for a 25 MB model in 4 MB buckets on 2 shared cores (scripts/BENCHMARKS.md, "Fast links"). Posted from another thread, the copy into the
     socket overlaps computation (c10d releases the GIL while it sends). The batches are posted in the order given, so
     each peer still sees a bucket's messages in order. CUDA tensors are posted inline: NCCL's posting is
     asynchronous already.
@@ -115,13 +115,15 @@ class PairPoster:
 
     def __init__(self) -> None:
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pid = 0  # the process that started the thread: a forked child has none, only its record
 
     def post(self, ops: list[dist.P2POp]) -> list[Any]:
         """Start ``ops``; what to wait on (each has ``wait(timeout=None)`` like a Work)."""
         if ops[0].tensor.device.type != "cpu":
             return dist.batch_isend_irecv(ops)
-        if self._thread is None:  # its thread ends when the engine is collected, or at interpreter exit
+        if self._thread is None or self._pid != os.getpid():  # it ends with the engine or at interpreter exit
             self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="decent_train-p2p")
+            self._pid = os.getpid()
         return [_PostedBatch(self._thread.submit(dist.batch_isend_irecv, ops))]
 
 
