@@ -186,6 +186,10 @@ def run_separately(
     options = bench_engine.parser().parse_args([*BENCH_DEFAULTS, *bench_args])
     names = [name for name, _, _ in bench_engine.implementations(options.topologies.split(","), options.message_mb)
              if not options.only or name in options.only.split(",")]
+    if not names:
+        sys.exit(f"benchmark.py: --only {options.only}: none of these is measured here; valid: "
+                 + ", ".join(n for n, _, _ in bench_engine.implementations(options.topologies.split(","),
+                                                                            options.message_mb)))
     launches: dict[str, list[dict]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names:
