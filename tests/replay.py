@@ -192,3 +192,81 @@ def max_deviation(engine: list[dict[str, Any]], expected: list[dict[str, Tensor]
 
 def topology_for(name: str, world_size: int, local_world_size: int = 1) -> Topology:
     return build_topology(name, world_size, local_world_size)
+
+
+def replay_compressed(
+    topology: Topology,
+    steps: int,
+    compressor: Any,
+    buckets: list[list[str]],
+    optim_fn: Callable = SGD,
+    consensus_step: float = 1.0,
+    model_fn: Callable[[int], nn.Module] = make_model,
+    loss: Callable[[nn.Module, int, int, int], Tensor] = loss_fn,
+    align: int = 32,
+) -> list[dict[str, Tensor]]:
+    """Each worker's parameters after ``steps`` steps of compressed gossip (CHOCO with public copies per round).
+
+    Worker i keeps, for every round r in which it has a group, its public copy own_i^r and others_i^r (the
+    W(r)-weighted sum of its group's copies), both starting from the common initial parameters. At step s >= 1 of
+    round r = s mod period, on each bucket's flat vector (parameters in ``buckets`` order, each padded with zeros to
+    a multiple of ``align`` elements, as the compressor sees them):
+        q_i = D(Q(x_i - own_i^r));  own_i^r += q_i;  others_i^r += sum_{j != i} W_ij q_j
+        x_i += consensus_step * (others_i^r - (1 - W_ii) own_i^r)
+    then every worker steps its optimizer on the gradient taken before the mix. (At step 0 the exchange would carry
+    zero differences: the workers start equal.)
+    """
+    n, period = topology.world_size, topology.period
+    models = [copy.deepcopy(model_fn(SEED)) for _ in range(n)]
+    optimizers = [optim_fn(list(m.named_parameters())) for m in models]
+    matrices = [topology.mixing_matrix(r) for r in range(period)]
+
+    def flat(i: int, names: list[str]) -> Tensor:
+        parameters = dict(models[i].named_parameters())
+        parts = []
+        for name in names:
+            value = parameters[name].detach().reshape(-1)
+            parts += [value, value.new_zeros(-(-value.numel() // align) * align - value.numel())]
+        return torch.cat(parts)
+
+    @torch.no_grad()
+    def write(i: int, names: list[str], vector: Tensor) -> None:
+        parameters, offset = dict(models[i].named_parameters()), 0
+        for name in names:
+            p = parameters[name]
+            p.copy_(vector[offset : offset + p.numel()].view_as(p))
+            offset += -(-p.numel() // align) * align
+
+    def decoded(difference: Tensor) -> Tensor:
+        scratch = difference.new_zeros(compressor.padded_numel(difference.numel()))
+        scratch[: difference.numel()] = difference
+        compressor.encode_(scratch, torch.empty(compressor.message_bytes(difference.numel()), dtype=torch.uint8))
+        return scratch[: difference.numel()].clone()
+
+    grouped = lambda r, i: matrices[r][i, i] < 1  # noqa: E731
+    copies = {
+        (i, r, b): [flat(i, names), flat(i, names) * (1 - matrices[r][i, i])]
+        for i in range(n) for r in range(period) for b, names in enumerate(buckets) if grouped(r, i)
+    }
+    for s in range(steps):
+        for i, m in enumerate(models):
+            m.zero_grad(set_to_none=True)
+            loss(m, i, s, 0).backward()
+        if s >= 1:
+            r, w = s % period, matrices[s % period]
+            for b, names in enumerate(buckets):
+                xs = [flat(i, names) for i in range(n)]
+                q = {}
+                for i in range(n):
+                    if grouped(r, i):
+                        q[i] = decoded(xs[i] - copies[i, r, b][0])
+                        copies[i, r, b][0] = copies[i, r, b][0] + q[i]
+                for i in range(n):
+                    if grouped(r, i):
+                        own, others = copies[i, r, b]
+                        others = others + sum(w[i, j] * q[j] for j in range(n) if j != i and w[i, j] > 0)
+                        copies[i, r, b][1] = others
+                        write(i, names, xs[i] + consensus_step * (others - (1 - w[i, i]) * own))
+        for o in optimizers:
+            o.step()
+    return [snapshot(m) for m in models]

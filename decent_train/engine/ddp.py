@@ -50,6 +50,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils._pytree import tree_flatten
 
+from decent_train.engine.exchange import CompressedGossip, Compressor, make_compressor
 from decent_train.engine.optim import LRSchedulerFn, OptimFn
 from decent_train.engine.topology import Edge, Topology, get_topology_class
 from decent_train.engine.utils import CommWaits, ExchangeError, PairPoster, peers_must_answer, run_collective
@@ -104,6 +105,7 @@ class _Exchange:
     async_stage: int
     value: Tensor
     works: list[Any]
+    round_: int = 0  # the round of the period (compressed exchanges keep copies per round)
 
 
 @dataclass
@@ -135,6 +137,7 @@ class _Bucket:
     # tensor's last reference there takes the GIL, which aborts the process during interpreter teardown
     # (utils.run_collective).
     comm_anchor: Tensor | None = None
+    compressed: CompressedGossip | None = None  # with ``compression``: the copies of each round (engine/exchange.py)
 
     @property
     def complete(self) -> bool:
@@ -207,6 +210,10 @@ class DecentralizedDataParallel(nn.Module):
         message_size_in_mb: a pair sends its bucket in messages of at most this size (0: one message). Over a
             rate-limited TCP link one 26 MB gloo message ran at half the link's rate where 1 MB messages kept up
             (scripts/BENCHMARKS.md); on loopback the split cost 7-13%.
+        compression: gossip sends compressed differences to public copies instead of the parameters (CHOCO-SGD,
+            engine/exchange.py): ``"bf16"`` (half the bytes), ``"int8"`` (blockwise, 0.254x) or a compressor object;
+            the workers' mean is preserved exactly. None sends float parameters. All-reduce mode is never compressed.
+        consensus_step: with compression, the step toward the neighbours' public copies (CHOCO's gamma, in (0, 1]).
     """
 
     FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -227,6 +234,8 @@ class DecentralizedDataParallel(nn.Module):
         timeout: float | None = None,
         global_avg_every: int = 0,
         message_size_in_mb: float = 0,
+        compression: str | Compressor | None = None,
+        consensus_step: float = 1.0,
     ):
         super().__init__()
         if grad_clip_norm < 0:
@@ -239,6 +248,10 @@ class DecentralizedDataParallel(nn.Module):
             raise ValueError(f"global_avg_every must be >= 0 (0 disables), got {global_avg_every}")
         if message_size_in_mb < 0:
             raise ValueError(f"message_size_in_mb must be >= 0 (0: one message per bucket), got {message_size_in_mb}")
+        if not 0.0 < consensus_step <= 1.0:
+            raise ValueError(f"consensus_step must be in (0, 1], got {consensus_step}")
+        self._compressor = make_compressor(compression)
+        self._consensus_step = float(consensus_step)
         self._message_bytes = max(1, int(message_size_in_mb * 2**20)) if message_size_in_mb else 0
         self._global_avg_every = int(global_avg_every)
         self._timeout = timedelta(seconds=timeout) if timeout is not None else None
@@ -285,6 +298,7 @@ class DecentralizedDataParallel(nn.Module):
             for param in bucket.params:
                 param.register_post_accumulate_grad_hook(lambda p, b=bucket: self._on_grad_ready(b, p))
         self._phase = self._make_phase(topology, start=0)
+        self._start_compression(identical=True)
         if self._rank == 0:
             sizes = ", ".join(f"{nbytes / 2**20:.2f}" for nbytes in self.bucket_bytes)
             logger.debug(f"DecentralizedDataParallel: {self._phase.label}; {len(self._buckets)} buckets, MB: {sizes}")
@@ -311,6 +325,13 @@ class DecentralizedDataParallel(nn.Module):
                 kwargs = {"timeout": timeout, "world_group": self._exchange_group} if timeout is not None else {}
                 topology.create_groups(**kwargs)
             self._topologies[key] = topology
+        if self._compressor is not None and topology.is_staged:
+            raise ValueError(
+                f"topology '{topology.name}' has rounds of several stages; compression supports one-stage rounds "
+                "(pairs and groups) so far"
+            )
+        if self._compressor is not None and any(hasattr(b.optimizer, "pre_average_hook") for b in self._buckets):
+            raise ValueError("compression: an optimizer with decent-dp's pre_average_hook reads uncompressed values")
         if topology.is_staged and any(hasattr(b.optimizer, "pre_average_hook") for b in self._buckets):
             raise ValueError(
                 f"topology '{topology.name}' has rounds of several stages; an optimizer with decent-dp's "
@@ -338,6 +359,27 @@ class DecentralizedDataParallel(nn.Module):
         group = dist.new_group(timeout=timeout)
         dist.all_reduce(torch.zeros(1, device=self._buckets[0].flat.device), group=group)
         return group
+
+    def _start_compression(self, identical: bool) -> None:
+        """With compression, each bucket's copies for the current phase's rounds: the parameters where they are equal
+        on every worker (at construction), zero otherwise; either way equal wherever they are held."""
+        if self._compressor is None or self._phase.allreduce:
+            for bucket in self._buckets:
+                bucket.compressed = None
+            return
+        rounds = {r: stages[0] for r, stages in enumerate(self._phase.my_stages) if stages[0].size > 1}
+        for bucket in self._buckets:
+            bucket.compressed = CompressedGossip.create(
+                self._compressor, bucket.flat, {r: edge.size for r, edge in rounds.items()}
+            )
+        self._reset_compression(identical)
+
+    def _reset_compression(self, identical: bool) -> None:
+        rounds = {r: stages[0] for r, stages in enumerate(self._phase.my_stages) if stages[0].size > 1}
+        for bucket in self._buckets:
+            if bucket.compressed is not None:
+                weights = {r: float(edge.weight) for r, edge in rounds.items()}
+                bucket.compressed.reset(bucket.flat if identical else None, weights)
 
     @property
     def comm_wait_seconds(self) -> float:
@@ -586,6 +628,11 @@ class DecentralizedDataParallel(nn.Module):
             return
         if not self._param_as_bucket_view:
             torch._foreach_copy_(bucket.views, [p.data for p in bucket.params])
+        if bucket.compressed is not None:  # one-stage rounds (checked when the phase starts)
+            message = bucket.compressed.encode(bucket.flat, round_)
+            works = self._start_compressed(bucket, stages[0], message)
+            bucket.pending = _Exchange(stages, 0, bucket.flat, works, round_)
+            return
         value = bucket.flat
         for edge in stages[:async_stage]:
             works = self._start_stage(bucket, edge, value)
@@ -613,6 +660,31 @@ class DecentralizedDataParallel(nn.Module):
             )
         bucket.comm.copy_(value)
         return [dist.all_reduce(bucket.comm, group=edge.group, async_op=True)]
+
+    def _start_compressed(self, bucket: _Bucket, edge: Edge, message: Tensor) -> list[Any]:
+        """Send this worker's compressed difference to its group: a pair swaps messages, a group all-gathers them."""
+        incoming = bucket.compressed.incoming
+        if edge.size == 2:
+            peer = edge.ranks[0] if edge.ranks[1] == self._rank else edge.ranks[1]
+            tag = _MESSAGE_TAGS * bucket.index
+            return self._pairs.post(
+                [
+                    dist.P2POp(dist.isend, message, peer, self._exchange_group, tag),
+                    dist.P2POp(dist.irecv, incoming[0], peer, self._exchange_group, tag),
+                ]
+            )
+        return [dist.all_gather(incoming[: edge.size], message, group=edge.group, async_op=True)]
+
+    def _mix_compressed(self, bucket: _Bucket, exchange: _Exchange) -> None:
+        """Add the group's decoded differences to the round's copies and step toward them."""
+        edge = exchange.stages[0]
+        incoming = bucket.compressed.incoming
+        me = edge.ranks.index(self._rank)
+        received = incoming[:1] if edge.size == 2 else [incoming[k] for k in range(edge.size) if k != me]
+        step = self._consensus_step * self._adaptive_factor
+        bucket.compressed.mix(bucket.flat, exchange.round_, received, edge.neighbor_weight, edge.weight, step)
+        if not self._param_as_bucket_view:
+            torch._foreach_copy_([p.data for p in bucket.params], bucket.views)
 
     def _message_pieces(self, flat: Tensor) -> tuple[Tensor, ...]:
         """``flat`` as the messages a pair sends: one, or pieces of ``message_size_in_mb``."""
@@ -663,6 +735,9 @@ class DecentralizedDataParallel(nn.Module):
         exchange = self._wait(bucket)
         if exchange is None:
             return
+        if bucket.compressed is not None:
+            self._mix_compressed(bucket, exchange)
+            return
         stages, k, value = exchange.stages, exchange.async_stage, exchange.value
         alpha, edge = self._adaptive_factor, stages[k]
         for edge in stages[k + 1 :]:  # the stages after the one in flight: first finish that, then run each
@@ -710,6 +785,7 @@ class DecentralizedDataParallel(nn.Module):
         for bucket in self._buckets:
             self._wait(bucket)
         self._global_average = None
+        self._reset_compression(identical=True)  # equal parameters everywhere (switch_to then starts new copies)
 
     # -- schedules ----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -731,9 +807,11 @@ class DecentralizedDataParallel(nn.Module):
             self.global_avg(will_revert=False)
             self._average_optimizer_states()
             self._phase = phase
+            self._start_compression(identical=False)  # none in all-reduce mode
         else:
             self._drop_pending_exchanges()
             self._phase = phase
+            self._start_compression(identical=False)
             for bucket in self._buckets:
                 self._launch(bucket, 0)
 
@@ -842,6 +920,11 @@ class DecentralizedDataParallel(nn.Module):
                         if bucket.pending is not None and bucket.pending.value is not bucket.flat
                         else None
                     ),
+                    "compressed": (
+                        {**bucket.compressed.state(), "incoming": [t.clone() for t in bucket.compressed.incoming]}
+                        if bucket.compressed is not None
+                        else None
+                    ),
                 }
             )
         return {
@@ -880,11 +963,19 @@ class DecentralizedDataParallel(nn.Module):
                 bucket.scheduler.load_state_dict(saved["scheduler"])
             if not self._param_as_bucket_view:
                 torch._foreach_copy_(bucket.views, [p.data for p in bucket.params])
+            compressed = saved.get("compressed")
+            if (compressed is None) != (bucket.compressed is None):
+                raise ValueError("the engine state was saved with other compression settings than this engine's")
+            if compressed is not None:
+                bucket.compressed.load(compressed)
+                torch._foreach_copy_(bucket.compressed.incoming, compressed["incoming"])
             if saved["received"] is not None:  # the exchange the last step launched, for this step's round
                 round_ = self._phase.round_of(self._step)
                 bucket.comm.copy_(saved["received"])
                 value = bucket.flat if saved.get("staged") is None else bucket.staging().copy_(saved["staged"])
-                bucket.pending = _Exchange(self._phase.my_stages[round_], self._phase.async_stages[round_], value, [])
+                bucket.pending = _Exchange(
+                    self._phase.my_stages[round_], self._phase.async_stages[round_], value, [], round_
+                )
 
     # -- accessors ----------------------------------------------------------------------------------------------
     def get_lr(self) -> float:

@@ -1,0 +1,161 @@
+"""Compressed gossip (engine/exchange.py): the workers' mean is preserved and they reach consensus; every worker
+matches an independent float64 replay of the scheme; naive compression of the parameters fails the same test;
+checkpoints resume bit-exactly; the compressors' messages and errors."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+
+from decent_train import DecentralizedDataParallel, optim_fn_adam, optim_fn_sgd
+from decent_train.engine.exchange import BFloat16Compressor, Int8Compressor, make_compressor
+from tests.distributed import run_workers
+from tests.replay import batch, make_model, max_deviation, replay_compressed, topology_for, train_engine
+
+FROZEN = partial(optim_fn_sgd, lr=0.0, momentum=0.0, weight_decay=0.0)  # pure gossip: the optimizer never moves x
+
+
+def _gossip_perturbed(rank: int, world_size: int, topology: str, compression: str, steps: int,
+                      naive: bool = False) -> dict[str, Any]:
+    """Wrap, then move every worker's parameters by its own noise; ``steps`` steps of pure gossip."""
+    from loguru import logger
+
+    logger.remove()
+    ddp = DecentralizedDataParallel(make_model(0), FROZEN, topology=topology, bucket_size_in_mb=0.0005,
+                                    compression=None if naive else compression)
+    if naive:  # the receiver mixes Q(x_j) while the sender keeps x_j: a test helper, never an engine option
+        compressor, mix = make_compressor(compression), ddp._mix
+
+        def naive_mix(bucket: Any) -> None:
+            if bucket.pending is not None:
+                ddp._wait_keep(bucket)
+                scratch = torch.zeros(compressor.padded_numel(bucket.comm.numel()), dtype=bucket.comm.dtype)
+                scratch[: bucket.comm.numel()] = bucket.comm
+                compressor.encode_(scratch, torch.empty(compressor.message_bytes(bucket.comm.numel()), dtype=torch.uint8))
+                bucket.comm.copy_(scratch[: bucket.comm.numel()])
+            mix(bucket)
+
+        ddp._mix = naive_mix
+    generator = torch.Generator().manual_seed(100 + rank)
+    with torch.no_grad():
+        for p in ddp.parameters():
+            p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype))
+    start = [p.detach().clone() for p in ddp.parameters()]
+    for step in range(steps):
+        x, y = batch(rank, step)
+        ((ddp(x) - y) ** 2).mean().backward()
+    return {"start": start, "end": [p.detach().clone() for p in ddp.parameters()]}
+
+
+def _mean_shift_and_consensus(results: list[dict[str, Any]]) -> tuple[float, float]:
+    """(largest relative move of the workers' mean, consensus distance at the end / at the start)."""
+    n = len(results)
+    means = {key: [sum(r[key][k] for r in results) / n for k in range(len(results[0][key]))] for key in ("start", "end")}
+    shift = max(((a - b).abs().max() / a.abs().max()).item() for a, b in zip(means["start"], means["end"]))
+
+    def distance(key: str) -> float:
+        return math.sqrt(sum(((r[key][k] - m) ** 2).sum().item() for r in results for k, m in enumerate(means[key])))
+
+    return shift, distance("end") / distance("start")
+
+
+@pytest.mark.parametrize("compression", ["int8", "bf16"])
+@pytest.mark.parametrize("topology, world_size", [("ring", 4), ("one-peer-exp", 4), ("ring", 3), ("complete", 4)])
+def test_compressed_gossip_preserves_the_mean_and_reaches_consensus(
+    topology: str, world_size: int, compression: str
+) -> None:
+    results = run_workers(_gossip_perturbed, world_size, topology=topology, compression=compression, steps=150)
+    shift, consensus = _mean_shift_and_consensus(results)
+    assert shift <= 1e-12
+    assert consensus < 1e-4
+
+
+@pytest.mark.parametrize("compression", ["int8", "bf16"])
+def test_naive_compression_of_the_parameters_moves_the_mean(compression: str) -> None:
+    """The oracle above catches the biased scheme: mixing Q(x_j) moves the mean by the compression error of |x|."""
+    results = run_workers(_gossip_perturbed, 4, topology="ring", compression=compression, steps=150, naive=True)
+    shift, _ = _mean_shift_and_consensus(results)
+    assert shift > 1e-6
+
+
+@pytest.mark.parametrize("compression", ["int8", "bf16"])
+@pytest.mark.parametrize("topology, world_size", [("ring", 4), ("one-peer-exp", 8)])
+def test_every_worker_matches_the_compressed_replay(topology: str, world_size: int, compression: str) -> None:
+    steps, adam = 12, partial(optim_fn_adam, lr=0.01)
+    engine = run_workers(train_engine, world_size, topology=topology, steps=steps, optim_fn=adam,
+                         compression=compression, consensus_step=0.8)
+    buckets = engine[0]["buckets"]
+    assert len(buckets) >= 3, "the test model must span several buckets"
+    expected = replay_compressed(topology_for(topology, world_size), steps, make_compressor(compression), buckets,
+                                 optim_fn=adam, consensus_step=0.8)
+    assert max_deviation(engine, expected) <= 1e-12
+    uncompressed = run_workers(train_engine, world_size, topology=topology, steps=steps, optim_fn=adam)
+    assert max_deviation(uncompressed, expected) > 1e-9, "the replay tells compressed from plain gossip"
+
+
+def _resume(rank: int, world_size: int, stop_at: int | None, steps: int, path: str) -> dict[str, torch.Tensor]:
+    from loguru import logger
+
+    logger.remove()
+
+    def make() -> DecentralizedDataParallel:
+        return DecentralizedDataParallel(make_model(0).float(), partial(optim_fn_adam, lr=0.01), topology="ring",
+                                         bucket_size_in_mb=0.0005, compression="int8")
+
+    ddp, start = make(), 0
+    if stop_at is not None:
+        for step in range(stop_at):
+            x, y = batch(rank, step)
+            ((ddp(x.float()) - y.float()) ** 2).mean().backward()
+        torch.save({"model": ddp.state_dict(), "engine": ddp.engine_state_dict()}, f"{path}.{rank}")
+        ddp, start = make(), stop_at
+        saved = torch.load(f"{path}.{rank}", weights_only=False)
+        ddp.load_state_dict(saved["model"])
+        ddp.load_engine_state_dict(saved["engine"])
+    for step in range(start, steps):
+        x, y = batch(rank, step)
+        ((ddp(x.float()) - y.float()) ** 2).mean().backward()
+    return {k: v.detach().clone() for k, v in ddp.named_parameters()}
+
+
+def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(tmp_path: Any) -> None:
+    path = str(tmp_path / "ckpt")
+    whole = run_workers(_resume, 4, stop_at=None, steps=9, path=path)
+    resumed = run_workers(_resume, 4, stop_at=5, steps=9, path=path)
+    for a, b in zip(whole, resumed):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(whole[0][k], whole[1][k]) for k in whole[0]), "the workers differ: a real test"
+
+
+def test_int8_messages_are_a_quarter_of_float32_and_round_to_the_nearest_level() -> None:
+    compressor = Int8Compressor(block=256)
+    numel = 1000
+    assert compressor.message_bytes(numel) == 1024 + 4 * 4  # padded levels, one float32 scale per block
+    assert compressor.message_bytes(2**20) / (4 * 2**20) == pytest.approx((1 + 4 / 256) / 4)
+    difference = torch.randn(numel, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    difference[256:512] = 0.0  # a block of zeros: scale 0, no division by zero
+    scratch = torch.zeros(compressor.padded_numel(numel), dtype=torch.float64)
+    scratch[:numel] = difference
+    message = torch.empty(compressor.message_bytes(numel), dtype=torch.uint8)
+    compressor.encode_(scratch, message)
+    received = torch.empty_like(scratch)
+    compressor.decode(message, received)
+    assert torch.equal(received, scratch)  # the sender's copy moves by exactly what a receiver decodes
+    blocks = difference.new_zeros(compressor.padded_numel(numel))
+    blocks[:numel] = difference
+    scale = blocks.view(-1, 256).abs().amax(1).float().double() / 127  # by hand: absmax / 127 per block
+    error = (received - blocks).view(-1, 256).abs()
+    assert torch.all(error <= scale.unsqueeze(1) / 2 * (1 + 1e-6))
+    assert torch.all(received[256:512] == 0)
+    assert BFloat16Compressor().message_bytes(numel) == 2 * numel
+
+
+def test_a_wrong_compression_is_one_line() -> None:
+    with pytest.raises(ValueError, match=r"compression='int4': valid are none, bf16, int8"):
+        DecentralizedDataParallel(make_model(0), FROZEN, topology="ring", compression="int4")
+    with pytest.raises(ValueError, match=r"consensus_step must be in \(0, 1\], got 0"):
+        DecentralizedDataParallel(make_model(0), FROZEN, topology="ring", compression="int8", consensus_step=0)
