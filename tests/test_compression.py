@@ -20,13 +20,13 @@ FROZEN = partial(optim_fn_sgd, lr=0.0, momentum=0.0, weight_decay=0.0)  # pure g
 
 
 def _gossip_perturbed(rank: int, world_size: int, topology: str, compression: str, steps: int,
-                      naive: bool = False) -> dict[str, Any]:
+                      naive: bool = False, local_world_size: int = 1) -> dict[str, Any]:
     """Wrap, then move every worker's parameters by its own noise; ``steps`` steps of pure gossip."""
     from loguru import logger
 
     logger.remove()
     ddp = DecentralizedDataParallel(make_model(0), FROZEN, topology=topology, bucket_size_in_mb=0.0005,
-                                    compression=None if naive else compression)
+                                    compression=None if naive else compression, local_world_size=local_world_size)
     if naive:  # the receiver mixes Q(x_j) while the sender keeps x_j: a test helper, never an engine option
         compressor, mix = make_compressor(compression), ddp._mix
 
@@ -64,11 +64,17 @@ def _mean_shift_and_consensus(results: list[dict[str, Any]]) -> tuple[float, flo
 
 
 @pytest.mark.parametrize("compression", ["int8", "bf16"])
-@pytest.mark.parametrize("topology, world_size", [("ring", 4), ("one-peer-exp", 4), ("ring", 3), ("complete", 4)])
+@pytest.mark.parametrize(
+    "topology, world_size, local_world_size",
+    [("ring", 4, 1), ("one-peer-exp", 4, 1), ("ring", 3, 1), ("complete", 4, 1), ("hierarchical", 4, 2)],
+)
 def test_compressed_gossip_preserves_the_mean_and_reaches_consensus(
-    topology: str, world_size: int, compression: str
+    topology: str, world_size: int, local_world_size: int, compression: str
 ) -> None:
-    results = run_workers(_gossip_perturbed, world_size, topology=topology, compression=compression, steps=150)
+    """Pure gossip (lr 0) from different parameters on every worker, in float64; hierarchical: 2 nodes x 2 workers,
+    rounds of two stages."""
+    results = run_workers(_gossip_perturbed, world_size, topology=topology, compression=compression, steps=150,
+                          local_world_size=local_world_size)
     shift, consensus = _mean_shift_and_consensus(results)
     assert shift <= 1e-12
     assert consensus < 1e-4

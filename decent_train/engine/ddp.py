@@ -325,11 +325,6 @@ class DecentralizedDataParallel(nn.Module):
                 kwargs = {"timeout": timeout, "world_group": self._exchange_group} if timeout is not None else {}
                 topology.create_groups(**kwargs)
             self._topologies[key] = topology
-        if self._compressor is not None and topology.is_staged:
-            raise ValueError(
-                f"topology '{topology.name}' has rounds of several stages; compression supports one-stage rounds "
-                "(pairs and groups) so far"
-            )
         if self._compressor is not None and any(hasattr(b.optimizer, "pre_average_hook") for b in self._buckets):
             raise ValueError("compression: an optimizer with decent-dp's pre_average_hook reads uncompressed values")
         if topology.is_staged and any(hasattr(b.optimizer, "pre_average_hook") for b in self._buckets):
@@ -367,18 +362,25 @@ class DecentralizedDataParallel(nn.Module):
             for bucket in self._buckets:
                 bucket.compressed = None
             return
-        rounds = {r: stages[0] for r, stages in enumerate(self._phase.my_stages) if stages[0].size > 1}
         for bucket in self._buckets:
             bucket.compressed = CompressedGossip.create(
-                self._compressor, bucket.flat, {r: edge.size for r, edge in rounds.items()}
+                self._compressor, bucket.flat, {key: edge.size for key, edge in self._compressed_stages().items()}
             )
         self._reset_compression(identical)
 
+    def _compressed_stages(self) -> dict[tuple[int, int], Edge]:
+        """This worker's groups in the current phase by (round, stage): each has public copies of its own."""
+        return {
+            (r, k): edge
+            for r, stages in enumerate(self._phase.my_stages)
+            for k, edge in enumerate(stages)
+            if edge.size > 1
+        }
+
     def _reset_compression(self, identical: bool) -> None:
-        rounds = {r: stages[0] for r, stages in enumerate(self._phase.my_stages) if stages[0].size > 1}
+        weights = {key: float(edge.weight) for key, edge in self._compressed_stages().items()}
         for bucket in self._buckets:
             if bucket.compressed is not None:
-                weights = {r: float(edge.weight) for r, edge in rounds.items()}
                 bucket.compressed.reset(bucket.flat if identical else None, weights)
 
     @property
@@ -628,23 +630,21 @@ class DecentralizedDataParallel(nn.Module):
             return
         if not self._param_as_bucket_view:
             torch._foreach_copy_(bucket.views, [p.data for p in bucket.params])
-        if bucket.compressed is not None:  # one-stage rounds (checked when the phase starts)
-            message = bucket.compressed.encode(bucket.flat, round_)
-            works = self._start_compressed(bucket, stages[0], message)
-            bucket.pending = _Exchange(stages, 0, bucket.flat, works, round_)
-            return
         value = bucket.flat
-        for edge in stages[:async_stage]:
-            works = self._start_stage(bucket, edge, value)
+        for k, edge in enumerate(stages[:async_stage]):
+            works = self._start_stage(bucket, edge, value, (round_, k))
             self._wait_works(works, bucket, edge.ranks, "exchange")
-            value = self._finish_stage(bucket, edge, value)
-        edge = stages[async_stage]
-        bucket.pending = _Exchange(stages, async_stage, value, self._start_stage(bucket, edge, value))
+            value = self._finish_stage(bucket, edge, value, (round_, k))
+        works = self._start_stage(bucket, stages[async_stage], value, (round_, async_stage))
+        bucket.pending = _Exchange(stages, async_stage, value, works, round_)
 
-    def _start_stage(self, bucket: _Bucket, edge: Edge, value: Tensor) -> list[Any]:
-        """Send ``value`` to the group; a pair receives the peer's value into ``comm``, a group the sum over it."""
+    def _start_stage(self, bucket: _Bucket, edge: Edge, value: Tensor, key: tuple[int, int]) -> list[Any]:
+        """Send ``value`` to the group; a pair receives the peer's value into ``comm``, a group the sum over it. With
+        compression, the compressed difference to the public copy of stage ``key`` (round, stage) instead."""
         if edge.size == 1:
             return []
+        if bucket.compressed is not None:
+            return self._start_compressed(bucket, edge, bucket.compressed.encode(value, key))
         if edge.size == 2:
             peer = edge.ranks[0] if edge.ranks[1] == self._rank else edge.ranks[1]
             pieces = zip(self._message_pieces(value), self._message_pieces(bucket.comm))
@@ -676,15 +676,32 @@ class DecentralizedDataParallel(nn.Module):
         return [dist.all_gather(incoming[: edge.size], message, group=edge.group, async_op=True)]
 
     def _mix_compressed(self, bucket: _Bucket, exchange: _Exchange) -> None:
-        """Add the group's decoded differences to the round's copies and step toward them."""
-        edge = exchange.stages[0]
-        incoming = bucket.compressed.incoming
-        me = edge.ranks.index(self._rank)
-        received = incoming[:1] if edge.size == 2 else [incoming[k] for k in range(edge.size) if k != me]
-        step = self._consensus_step * self._adaptive_factor
-        bucket.compressed.mix(bucket.flat, exchange.round_, received, edge.neighbor_weight, edge.weight, step)
+        """Finish the stage in flight and run the ones after it, each a compressed gossip step on the round's value;
+        a one-stage round steps the parameters in place (the adaptive factor scales the step), a staged one combines
+        its result with the parameters at the end."""
+        stages, k, value, round_ = exchange.stages, exchange.async_stage, exchange.value, exchange.round_
+        if len(stages) == 1:
+            edge, step = stages[0], self._consensus_step * self._adaptive_factor
+            bucket.compressed.mix(value, value, (round_, 0), self._received(bucket, edge), edge.neighbor_weight,
+                                  edge.weight, step)
+        else:
+            for j in range(k, len(stages)):
+                if j > k:
+                    works = self._start_stage(bucket, stages[j], value, (round_, j))
+                    self._wait_works(works, bucket, stages[j].ranks, "exchange")
+                value = self._finish_stage(bucket, stages[j], value, (round_, j))
+            if value is not bucket.flat:
+                bucket.flat.lerp_(value, self._adaptive_factor)
         if not self._param_as_bucket_view:
             torch._foreach_copy_([p.data for p in bucket.params], bucket.views)
+
+    def _received(self, bucket: _Bucket, edge: Edge) -> list[Tensor]:
+        """The messages of the other members of ``edge`` (an all-gather's outputs hold this worker's own too)."""
+        incoming = bucket.compressed.incoming
+        if edge.size == 2:
+            return incoming[:1]
+        me = edge.ranks.index(self._rank)
+        return [incoming[k] for k in range(edge.size) if k != me]
 
     def _message_pieces(self, flat: Tensor) -> tuple[Tensor, ...]:
         """``flat`` as the messages a pair sends: one, or pieces of ``message_size_in_mb``."""
@@ -702,12 +719,16 @@ class DecentralizedDataParallel(nn.Module):
         neighbor = 1.0 / edge.size if edge.is_uniform else edge.neighbor_weight
         return (0.0 if edge.is_uniform else edge.weight - neighbor), neighbor
 
-    def _finish_stage(self, bucket: _Bucket, edge: Edge, value: Tensor) -> Tensor:
+    def _finish_stage(self, bucket: _Bucket, edge: Edge, value: Tensor, key: tuple[int, int]) -> Tensor:
         """A stage's result, into ``staged`` (the parameters themselves change only at the mix)."""
         if edge.size == 1:
             return value
-        own, other = self._stage_coefficients(edge)
         out = bucket.staging()
+        if bucket.compressed is not None:
+            bucket.compressed.mix(value, out, key, self._received(bucket, edge), edge.neighbor_weight, edge.weight,
+                                  self._consensus_step)
+            return out
+        own, other = self._stage_coefficients(edge)
         if value is out:
             out.mul_(own).add_(bucket.comm, alpha=other)
         else:
@@ -741,8 +762,8 @@ class DecentralizedDataParallel(nn.Module):
         stages, k, value = exchange.stages, exchange.async_stage, exchange.value
         alpha, edge = self._adaptive_factor, stages[k]
         for edge in stages[k + 1 :]:  # the stages after the one in flight: first finish that, then run each
-            value = self._finish_stage(bucket, stages[k], value)
-            works = self._start_stage(bucket, edge, value)
+            value = self._finish_stage(bucket, stages[k], value, (exchange.round_, k))
+            works = self._start_stage(bucket, edge, value, (exchange.round_, k + 1))
             self._wait_works(works, bucket, edge.ranks, "exchange")
             k += 1
         own, other = self._stage_coefficients(edge)  # x_new = (1-alpha) x + alpha (own value + other comm)

@@ -149,12 +149,12 @@ class CompressedGossip:
     scratch: Tensor
     outgoing: Tensor
     incoming: list[Tensor]  # a pair's: one; a group of m: m (an all-gather's outputs, this worker's included)
-    copies: dict[int, _RoundCopies] = field(default_factory=dict)  # by round of the period
+    copies: dict[tuple[int, int], _RoundCopies] = field(default_factory=dict)  # by (round, stage) of the period
 
     @classmethod
-    def create(cls, compressor: Compressor, flat: Tensor, group_sizes: dict[int, int]) -> CompressedGossip:
-        """State for ``flat`` with a copy pair for each round in ``group_sizes`` (round -> this worker's group size;
-        rounds it is alone in left out); set the copies with :meth:`reset` before the first exchange."""
+    def create(cls, compressor: Compressor, flat: Tensor, group_sizes: dict[tuple[int, int], int]) -> CompressedGossip:
+        """State for ``flat`` with a copy pair for each (round, stage) in ``group_sizes`` (its group size for this
+        worker; stages it is alone in left out); set the copies with :meth:`reset` before the first exchange."""
         numel = flat.numel()
         message = compressor.message_bytes(numel)
         slots = max((1 if m == 2 else m for m in group_sizes.values()), default=1)
@@ -167,7 +167,7 @@ class CompressedGossip:
             copies={r: _RoundCopies(flat.clone(), torch.empty_like(flat)) for r in group_sizes},
         )
 
-    def reset(self, value: Tensor | None, own_weights: dict[int, float]) -> None:
+    def reset(self, value: Tensor | None, own_weights: dict[tuple[int, int], float]) -> None:
         """Every copy to ``value`` (equal on every worker) or to zero: the copies stay consistent across workers."""
         for r, copies in self.copies.items():
             if value is None:
@@ -177,24 +177,25 @@ class CompressedGossip:
                 copies.own.copy_(value)
                 torch.mul(value, 1.0 - own_weights[r], out=copies.others)
 
-    def encode(self, x: Tensor, round_: int) -> Tensor:
+    def encode(self, x: Tensor, key: tuple[int, int]) -> Tensor:
         """q = Q(x − x̂) into the outgoing message, x̂ += D(q); the message to send."""
-        copies = self.copies[round_]
+        copies = self.copies[key]
         difference = self.scratch[: self.numel]
         torch.sub(x, copies.own, out=difference)
         self.compressor.encode_(self.scratch, self.outgoing)
         copies.own.add_(difference)
         return self.outgoing
 
-    def mix(self, x: Tensor, round_: int, received: list[Tensor], neighbor_weight: float, own_weight: float,
-            step: float) -> None:
-        """others += w D(q_j) for each received message, then x += step (others − (1 − w_ii) x̂)."""
-        copies = self.copies[round_]
+    def mix(self, x: Tensor, out: Tensor, key: tuple[int, int], received: list[Tensor], neighbor_weight: float,
+            own_weight: float, step: float) -> None:
+        """others += w D(q_j) for each received message, then out = x + step (others − (1 − w_ii) x̂) (``out`` may be
+        ``x``)."""
+        copies = self.copies[key]
         difference = self.scratch[: self.numel]
         for message in received:
             self.compressor.decode(message, self.scratch)
             copies.others.add_(difference, alpha=neighbor_weight)
-        x.add_(copies.others, alpha=step).add_(copies.own, alpha=-step * (1.0 - own_weight))
+        torch.add(x, copies.others, alpha=step, out=out).add_(copies.own, alpha=-step * (1.0 - own_weight))
 
     def state(self) -> dict[str, Any]:
         return {"copies": {r: (c.own.clone(), c.others.clone()) for r, c in self.copies.items()}}
