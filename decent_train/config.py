@@ -20,6 +20,7 @@ from decent_train.components.data import IMAGE_DATASETS, DatasetConfig
 from decent_train.components.metrics import LoggerConfig
 from decent_train.components.models import ModelConfig
 from decent_train.components.optim import OptimConfig, SchedulerConfig
+from decent_train.engine.exchange import COMPRESSORS, make_compressor
 from decent_train.engine.topology import Topology, build_topology
 from decent_train.launcher.launch import LaunchConfig
 
@@ -49,6 +50,30 @@ class TopologyConfig:
                 importlib.import_module(self.module)
             except ImportError as error:
                 raise ValueError(f"topology.module={self.module!r} cannot be imported: {error}") from None
+
+
+@dataclass
+class CompressionConfig:
+    """``conf/compression/*.yaml``: what gossip sends (engine/exchange.py). ``none`` sends the parameters; ``bf16``
+    and ``int8`` send compressed differences to public copies (CHOCO-SGD), which keeps the workers' mean exact."""
+
+    name: str = "none"  # none | bf16 | int8
+    consensus_step: float = 1.0  # the step toward the neighbours' public copies (CHOCO's gamma), in (0, 1]
+    int8_block: int = 256  # int8: elements per float32 scale
+
+    def check(self) -> None:
+        if self.name not in ("none", *COMPRESSORS):
+            raise ValueError(f"compression={self.name!r} is not a compression; valid: none, {', '.join(COMPRESSORS)}")
+        if not 0.0 < self.consensus_step <= 1.0:
+            raise ValueError(f"compression.consensus_step={self.consensus_step} must be in (0, 1]")
+        if self.int8_block < 4 or self.int8_block % 4:
+            raise ValueError(f"compression.int8_block={self.int8_block} must be a positive multiple of 4")
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The engine's ``compression`` and ``consensus_step`` arguments."""
+        if self.name == "none":
+            return {}
+        return {"compression": make_compressor(self.name, self.int8_block), "consensus_step": self.consensus_step}
 
 
 @dataclass
@@ -111,6 +136,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -140,6 +166,12 @@ class TrainConfig:
             )
         if self.global_avg_every < 0:
             raise ValueError(f"global_avg_every={self.global_avg_every} must be >= 0 (0: never)")
+        self.compression.check()
+        if self.compression.name != "none" and self.algorithm != "decentralized":
+            raise ValueError(
+                f"compression={self.compression.name} compresses gossip; algorithm={self.algorithm} (torch DDP) sends "
+                "full-precision gradients: use algorithm=decentralized or compression=none"
+            )
         self._check_model_fits_data()
         self._check_phases()
         if self.algorithm == "decentralized" and self.launch.nproc_per_node is not None:

@@ -88,6 +88,7 @@ class Decentralized:
             sync_buffer_in_global_avg=True,  # BatchNorm statistics are averaged with the parameters for evaluation
             timeout=cfg.comm_timeout_s,
             global_avg_every=cfg.global_avg_every,
+            **cfg.compression.engine_kwargs(),
         )
         self.model, self.net = self.engine, net
 
@@ -129,7 +130,9 @@ class Decentralized:
     def bytes_per_step(self) -> float:
         if self.engine.topology is None:
             return allreduce_bytes_per_step(dist.get_world_size(), sum(self.engine.bucket_bytes))
-        return gossip_bytes_per_step(self.engine.topology, dist.get_rank(), self.engine.bucket_bytes)
+        return gossip_bytes_per_step(
+            self.engine.topology, dist.get_rank(), self.engine.message_bytes, all_gather=self.engine.compressed
+        )
 
     def info(self) -> dict[str, Any]:
         topology = self.engine.topology

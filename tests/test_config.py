@@ -101,6 +101,10 @@ def test_every_option_composes_and_checks(group: str, option: str, data_dirs: di
         ({"launch": {"nproc_per_node": 6}, "topology": {"name": "hierarchical", "local_world_size": 2}},
          "power-of-two number of nodes"),
         ({"global_avg_every": -1}, "global_avg_every=-1"),
+        ({"compression": {"name": "int4"}}, "compression='int4' is not a compression; valid: none, bf16, int8"),
+        ({"compression": {"name": "int8", "consensus_step": 1.5}}, "compression.consensus_step=1.5 must be in (0, 1]"),
+        ({"compression": {"name": "int8", "int8_block": 6}}, "compression.int8_block=6"),
+        ({"compression": {"name": "bf16"}, "algorithm": "allreduce"}, "compression=bf16 compresses gossip"),
     ],
 )
 def test_bad_values_name_themselves(override: dict, fragment: str) -> None:

@@ -81,6 +81,16 @@ def test_record_keys_and_communication_volume(tmp_path: Path) -> None:
     assert all(r["comm/bytes_per_step"] == 4 * (64 * 32 + 32 + 32 * 10 + 10) for r in ddp)
 
 
+def test_compressed_volume_is_what_the_engine_sends(tmp_path: Path) -> None:
+    """With int8 compression a pair sends the message: one int8 level per element (the bucket padded to 256-element
+    blocks) and one float32 scale per block."""
+    logged = run(tmp_path / "int8", 2, topology={"name": "ring"}, compression={"name": "int8"})
+    numel = sum(math.ceil(n / 32) * 32 for n in (64 * 32, 32, 32 * 10, 10))  # one bucket, 32-element aligned
+    blocks = math.ceil(numel / 256)
+    assert all(r["comm/bytes_per_step"] == blocks * 256 + 4 * blocks for r in logged)
+    assert len(logged) >= 2
+
+
 def test_bytes_per_step_by_hand() -> None:
     total = [1000, 600]  # two buckets
     assert gossip_bytes_per_step(build_topology("ring", 4, 4), 0, total) == 1600  # pairs in both rounds
@@ -92,6 +102,9 @@ def test_bytes_per_step_by_hand() -> None:
     assert allreduce_bytes_per_step(8, 1600) == 2 * 7 / 8 * 1600 and allreduce_bytes_per_step(1, 1600) == 0
     # hierarchical, 2 nodes of 3: a pair between nodes, then a group of 3 within the node, in every round
     assert gossip_bytes_per_step(build_topology("hierarchical", 6, 3), 4, total) == 1600 + 2 * 2 / 3 * 1600
+    # compressed groups all-gather: a ring all-gather sends m - 1 messages
+    assert gossip_bytes_per_step(build_topology("complete", 4, 4), 2, total, all_gather=True) == 3 * 1600
+    assert gossip_bytes_per_step(build_topology("ring", 4, 4), 0, total, all_gather=True) == 1600
 
 
 def test_wandb_offline_files_hold_the_metrics(tmp_path: Path) -> None:

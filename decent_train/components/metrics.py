@@ -221,15 +221,20 @@ class ConsensusProbe:
         return distance, distance / norm if norm > 0 else 0.0
 
 
-def gossip_bytes_per_step(topology: Topology, rank: int, bucket_bytes: list[int]) -> float:
+def gossip_bytes_per_step(topology: Topology, rank: int, message_bytes: list[int], all_gather: bool = False) -> float:
     """Bytes this worker sends per step, averaged over the topology's period (summed over a round's stages).
 
-    A pair sends each bucket once; a group of m >= 3 all-reduces it, counted as a ring all-reduce (2(m-1)/m of the
-    bucket); a worker alone sends nothing.
+    A pair sends each bucket's message once; a group of m >= 3 all-reduces it, counted as a ring all-reduce (2(m-1)/m
+    of the message), or with compression all-gathers the messages (a ring all-gather: m-1 messages); a worker alone
+    sends nothing.
     """
-    total = sum(bucket_bytes)
-    sent = [sum(_exchange_bytes(e.size, total) for e in topology.edges(r, rank)) for r in range(topology.period)]
-    return sum(sent) / len(sent)
+    total = sum(message_bytes)
+
+    def sent(size: int) -> float:
+        return float((size - 1) * total) if all_gather and size > 2 else _exchange_bytes(size, total)
+
+    per_round = [sum(sent(e.size) for e in topology.edges(r, rank)) for r in range(topology.period)]
+    return sum(per_round) / len(per_round)
 
 
 def allreduce_bytes_per_step(world_size: int, model_bytes: int) -> float:

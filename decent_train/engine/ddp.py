@@ -361,6 +361,9 @@ class DecentralizedDataParallel(nn.Module):
         if self._compressor is None or self._phase.allreduce:
             for bucket in self._buckets:
                 bucket.compressed = None
+            if self._compressor is not None and self._rank == 0:
+                logger.info("DecentralizedDataParallel: all-reduce mode averages full-precision gradients "
+                            f"({self._compressor.name} compression applies to gossip)")
             return
         for bucket in self._buckets:
             bucket.compressed = CompressedGossip.create(
@@ -1039,6 +1042,19 @@ class DecentralizedDataParallel(nn.Module):
     def bucket_bytes(self) -> list[int]:
         """Size of each bucket in bytes, in processing order (what one exchange of that bucket moves)."""
         return [b.flat.numel() * b.flat.element_size() for b in self._buckets]
+
+    @property
+    def compressed(self) -> bool:
+        """Whether gossip sends compressed differences now (``compression`` set, and not in all-reduce mode)."""
+        return any(b.compressed is not None for b in self._buckets)
+
+    @property
+    def message_bytes(self) -> list[int]:
+        """Bytes one exchange of each bucket sends to each peer: its ``bucket_bytes``, or the compressed message."""
+        return [
+            b.compressed.outgoing.numel() if b.compressed is not None else b.flat.numel() * b.flat.element_size()
+            for b in self._buckets
+        ]
 
     @property
     def bucket_names(self) -> list[list[str]]:

@@ -119,6 +119,8 @@ def _train(cfg: TrainConfig, run_dir: Path, config_path: Path) -> float:
         what = "phases " + " > ".join(mode for _, mode in cfg.phase_starts())
     else:
         what = f"topology={cfg.topology.name}" if cfg.algorithm == "decentralized" else "all-reduce"
+    if cfg.compression.name != "none":
+        what += f", compression={cfg.compression.name}"
     logger.info(f"{cfg.launch.world_size} workers on {cfg.launch.device}, {what}; outputs in {run_dir}")
     start = time.perf_counter()
     prepare_data(cfg.dataset)  # a download happens once, here, not in every worker
