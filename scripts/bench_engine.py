@@ -78,6 +78,7 @@ class Setup:
     bucket_mb: float = 25
     local_world_size: int = 1
     message_mb: float = 0
+    compression: str = "none"  # decent_train's gossip: none, bf16 or int8 (engine/exchange.py)
 
 
 def make_optimizer(params: list[Tensor], optim: str) -> torch.optim.Optimizer:
@@ -136,6 +137,7 @@ def build_decent_train(model: nn.Module, topology: str, setup: Setup) -> Step:
     wrapped = DecentralizedDataParallel(
         model, optim_fn(setup.optim), topology=topology, bucket_size_in_mb=setup.bucket_mb,
         local_world_size=setup.local_world_size, message_size_in_mb=setup.message_mb,
+        compression=None if setup.compression == "none" else setup.compression,
     )
     wrapped.train()
     return training_step(wrapped)
@@ -170,12 +172,16 @@ BUILDERS: dict[str, Callable[[nn.Module, str, Setup], Step]] = {
 }
 
 
-def implementations(topologies: list[str], message_mb: float = 0) -> list[tuple[str, str, str]]:
-    """(name, builder, topology) of every implementation measured, in table order."""
+def implementations(
+    topologies: list[str], message_mb: float = 0, compressions: tuple[str, ...] = ()
+) -> list[tuple[str, str, str]]:
+    """(name, builder, topology) of every implementation measured, in table order; a compressed variant's name ends
+    in its compression (``decent_train/ring/int8``)."""
     split = [(f"decent_train/{t}/{message_mb:g}MB-messages", "decent_train_messages", t) for t in topologies]
     return [
         ("local", "local", ""),
         *[(f"decent_train/{t}", "decent_train", t) for t in topologies],
+        *[(f"decent_train/{t}/{c}", "decent_train", t) for t in topologies for c in compressions if c != "none"],
         *(split if message_mb else []),
         *[(f"decent_dp/{t}", "decent_dp", t) for t in topologies],
         ("ddp", "ddp", ""),
@@ -198,17 +204,29 @@ def all_ranks_ok(ok: bool) -> bool:
     return bool(flag.item())
 
 
-def timed_run(step: Step, batches: list[tuple[Tensor, Tensor]], warmup: int, steps: int) -> float:
+def loopback_bytes() -> int:
+    """Bytes sent over this network namespace's loopback so far (/proc/net/dev): inside benchmark.py's --rate
+    namespace, exactly what the workers put on the wire; on a shared machine's loopback, other traffic too."""
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        name, _, counters = line.partition(":")
+        if name.strip() == "lo":
+            return int(counters.split()[8])  # transmit bytes
+    return 0
+
+
+def timed_run(step: Step, batches: list[tuple[Tensor, Tensor]], warmup: int, steps: int) -> tuple[float, float]:
+    """Seconds for ``steps`` steps after ``warmup`` ones (the slowest rank's), and the loopback bytes per step."""
     for i in range(warmup):
         step(*batches[i % len(batches)])
     dist.barrier()
-    start = time.perf_counter()
+    sent, start = loopback_bytes(), time.perf_counter()
     for i in range(steps):
         step(*batches[i % len(batches)])
     dist.barrier()  # inside the window: it ends when the slowest rank is done, the same on every rank
     elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    sent = loopback_bytes() - sent
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
+    return elapsed.item(), sent / steps
 
 
 def measure_link(numel: int, repeats: int, message_numel: int = 0) -> float | None:
@@ -307,6 +325,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compression", default="none",
+                   help="comma-separated compressions (bf16, int8) to measure decent_train with, besides none")
     p.add_argument("--message-mb", type=float, default=0,
                    help="also measure decent_train with pair exchanges split into messages of this size")
     p.add_argument("--json", default=None, help="write the results here (rank 0)")
@@ -316,7 +336,11 @@ def parser() -> argparse.ArgumentParser:
 def main() -> None:
     args = parser().parse_args()
 
-    candidates = implementations(args.topologies.split(","), args.message_mb)
+    compressions = tuple(args.compression.split(","))
+    unknown = [c for c in compressions if c not in ("none", "bf16", "int8")]
+    if unknown:
+        sys.exit(f"bench_engine.py: --compression {','.join(unknown)}: valid are none, bf16, int8")
+    candidates = implementations(args.topologies.split(","), args.message_mb, compressions)
     if args.only:
         known = [name for name, _, _ in candidates]
         unknown = [name for name in args.only.split(",") if name not in known]
@@ -352,7 +376,10 @@ def main() -> None:
         reason = ""
         try:
             steps[name] = BUILDERS[builder](
-                model, topology, replace(setup, message_mb=args.message_mb if builder == "decent_train_messages" else 0)
+                model, topology, replace(
+                    setup, message_mb=args.message_mb if builder == "decent_train_messages" else 0,
+                    compression=name.rsplit("/", 1)[1] if name.endswith(("/bf16", "/int8")) else "none",
+                )
             )
         except (ImportError, ValueError) as exc:
             if builder not in ("decent_dp", "decent_train", "decent_train_messages"):
@@ -366,14 +393,18 @@ def main() -> None:
             steps[name](*batches[i])
 
     rates: dict[str, list[float]] = {name: [] for name in steps}
+    wire: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.repeats):
         for name, step in steps.items():
-            seconds = timed_run(step, batches, args.warmup, args.steps)
+            seconds, sent = timed_run(step, batches, args.warmup, args.steps)
             rates[name].append(args.batch * world * args.steps / seconds)
+            wire[name].append(sent)
     phases = {name: phase_breakdown(step, batches, args.phases) for name, step in steps.items()} if args.phases else {}
 
     if rank == 0:
         results = summarize(rates)
+        for name, r in results.items():
+            r["wire_bytes_per_step"] = statistics.median(wire[name])
         med = {name: r["median"] for name, r in results.items()}
         ours_vs_dp = {
             t: med[f"decent_train/{t}"] / med[f"decent_dp/{t}"]
@@ -394,11 +425,13 @@ def main() -> None:
         if link_split_seconds is not None:
             print(f"link: the same in {args.message_mb:g} MB messages takes {1000 * link_split_seconds:.1f} ms: "
                   f"{parameters * 32 / link_split_seconds / 1e9:.2f} Gbit/s each way")
-        print(f"{'implementation':<34} {'samples/s':>10} {'min':>10} {'max':>10} {'vs local':>9} {'vs ddp':>7}")
+        print(f"{'implementation':<34} {'samples/s':>10} {'min':>10} {'max':>10} {'vs local':>9} {'vs ddp':>7} "
+              f"{'MB/step':>8}")
         for name, r in results.items():
             ratios = " ".join(f"{x:>{w}.3f}" if x is not None else f"{'-':>{w}}"
                               for x, w in ((r["vs_local"], 9), (r["vs_ddp"], 7)))
-            print(f"{name:<34} {r['median']:>10.1f} {r['min']:>10.1f} {r['max']:>10.1f} {ratios}")
+            print(f"{name:<34} {r['median']:>10.1f} {r['min']:>10.1f} {r['max']:>10.1f} {ratios} "
+                  f"{r['wire_bytes_per_step'] / 1e6:>8.1f}")
         for name, reason in skipped.items():
             print(f"{name:<34} skipped: {reason}")
         for t, ratio in ours_vs_dp.items():

@@ -184,12 +184,14 @@ def run_separately(
     the ratios of the medians; ``phases`` (with ``--phases``) is the per-phase median over rounds.
     """
     options = bench_engine.parser().parse_args([*BENCH_DEFAULTS, *bench_args])
-    names = [name for name, _, _ in bench_engine.implementations(options.topologies.split(","), options.message_mb)
+    compressions = tuple(options.compression.split(","))
+    names = [name for name, _, _ in bench_engine.implementations(options.topologies.split(","), options.message_mb,
+                                                                 compressions)
              if not options.only or name in options.only.split(",")]
     if not names:
+        valid = bench_engine.implementations(options.topologies.split(","), options.message_mb, compressions)
         sys.exit(f"benchmark.py: --only {options.only}: none of these is measured here; valid: "
-                 + ", ".join(n for n, _, _ in bench_engine.implementations(options.topologies.split(","),
-                                                                            options.message_mb)))
+                 + ", ".join(n for n, _, _ in valid))
     launches: dict[str, list[dict]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names:
@@ -201,6 +203,9 @@ def run_separately(
     skipped = {name: runs[0]["skipped"].get(name, "failed in some round") for name, runs in launches.items()
                if name not in rates}
     results = bench_engine.summarize(rates)
+    for name, r in results.items():
+        r["wire_bytes_per_step"] = statistics.median(run["results"][name]["wire_bytes_per_step"]
+                                                     for run in launches[name])
     phases = {
         name: {phase: statistics.median(run["phases"][name][phase] for run in launches[name])
                for phase in bench_engine.PHASES}
