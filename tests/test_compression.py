@@ -157,6 +157,8 @@ def test_int8_messages_are_a_quarter_of_float32_and_round_to_the_nearest_level()
     error = (received - blocks).view(-1, 256).abs()
     assert torch.all(error <= scale.unsqueeze(1) / 2 * (1 + 1e-6))
     assert torch.all(received[256:512] == 0)
+    levels = message[: compressor.padded_numel(numel)].view(torch.int8)
+    assert levels.abs().max() == 127 and levels.min() >= -127  # every block's largest |d| maps to +-127, none beyond
     assert BFloat16Compressor().message_bytes(numel) == 2 * numel
 
 
