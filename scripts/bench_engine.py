@@ -181,7 +181,8 @@ def implementations(
     return [
         ("local", "local", ""),
         *[(f"decent_train/{t}", "decent_train", t) for t in topologies],
-        *[(f"decent_train/{t}/{c}", "decent_train", t) for t in topologies for c in compressions if c != "none"],
+        *[(f"decent_train/{t}/{c}", "decent_train", t)
+          for t in topologies if t != "allreduce" for c in compressions if c != "none"],  # all-reduce: never compressed
         *(split if message_mb else []),
         *[(f"decent_dp/{t}", "decent_dp", t) for t in topologies],
         ("ddp", "ddp", ""),
