@@ -225,6 +225,45 @@ def run_separately(
     return merged
 
 
+# --time-to-accuracy: real decent-train jobs; the same model, data, schedule and seed, differing only in these.
+ACCURACY_JOBS = {
+    "ddp": ["algorithm=allreduce"],
+    "ring": ["topology=ring"],
+    "ring-bf16": ["topology=ring", "compression=bf16"],
+    "ring-int8": ["topology=ring", "compression=int8"],
+}
+# A model big enough that communication matters (4.3M parameters, 17 MB) on data that ships with scikit-learn.
+ACCURACY_TRAIN = ["model=mlp", "model.hidden_sizes=[2048,2048]", "dataset=digits", "epochs=20", "eval_every=20",
+                  "seed=0", "logger.wandb.mode=disabled", "logger.progress_bar=false", "checkpoint.every=0"]
+
+
+def time_to_accuracy(prefix: list[str], workers: int, target: float, jobs: list[str], train: list[str], out: Path,
+                     timeout: float) -> dict[str, dict]:
+    """Run each job of ``jobs`` (``ACCURACY_JOBS``) as a real ``decent-train`` job on ``workers`` workers inside
+    ``prefix`` (the emulated network); from its metrics, the training time at which the averaged model's evaluated
+    accuracy first reached ``target``, the final accuracy and the wall time."""
+    results = {}
+    for job in jobs:
+        run_dir = out / job
+        command = [*prefix, sys.executable, "-m", "decent_train.launcher.cli", *train, *ACCURACY_JOBS[job],
+                   f"launch.nproc_per_node={workers}", f"hydra.run.dir={run_dir}"]
+        print(f"$ {' '.join(command)}", flush=True)
+        start = time.monotonic()
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                              env=dict(os.environ, PYTHONWARNINGS="ignore"))
+        if proc.returncode != 0:
+            sys.exit(f"benchmark.py: the {job} job failed:\n{proc.stderr[-3000:]}")
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        evaluated = [(r["time/elapsed_s"], r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
+        reached = next(((t, step) for t, step, accuracy in evaluated if accuracy >= target), (None, None))
+        final = json.loads((run_dir / "result.json").read_text())
+        results[job] = {"overrides": ACCURACY_JOBS[job], "seconds_to_target": reached[0], "step_at_target": reached[1],
+                        "final_accuracy": final["eval/accuracy"], "train_time_s": final["train_time_s"],
+                        "wall_time_s": time.monotonic() - start, "evaluations": evaluated,
+                        "bytes_per_step": next(r["comm/bytes_per_step"] for r in records if "comm/bytes_per_step" in r)}
+    return results
+
+
 def chart(runs: dict[int, dict], title: str, path: Path) -> None:
     """Throughput relative to the no-communication loop, one group of bars per worker count."""
     import matplotlib
@@ -267,9 +306,34 @@ def main() -> None:
                    help="all implementations interleaved in one launch per worker count, or each in its own launch")
     p.add_argument("--rounds", type=int, default=3,
                    help="with --launches separate: rounds of one launch per implementation, taking turns")
+    p.add_argument("--time-to-accuracy", type=float, default=None, metavar="TARGET",
+                   help="instead: real decent-train jobs (--jobs), time until the averaged model reaches TARGET")
+    p.add_argument("--jobs", default="ddp,ring,ring-int8",
+                   help=f"with --time-to-accuracy: comma-separated, of {', '.join(ACCURACY_JOBS)}")
+    p.add_argument("--train", default=" ".join(ACCURACY_TRAIN),
+                   help="with --time-to-accuracy: the overrides every job shares (space-separated)")
     args, bench_args = p.parse_known_args()
     if args.rounds < 1:
         sys.exit(f"benchmark.py: --rounds {args.rounds}: must be at least 1")
+    if args.time_to_accuracy is not None:
+        unknown = [j for j in args.jobs.split(",") if j not in ACCURACY_JOBS]
+        if unknown or "," in args.workers:
+            sys.exit(f"benchmark.py: --time-to-accuracy takes one --workers count and --jobs of "
+                     f"{', '.join(ACCURACY_JOBS)} (got --workers {args.workers}, unknown jobs {unknown})")
+        args.out.mkdir(parents=True, exist_ok=True)
+        with emulated_network(args.rate, args.delay) as prefix:
+            results = time_to_accuracy(prefix, int(args.workers), args.time_to_accuracy, args.jobs.split(","),
+                                       args.train.split(), args.out, args.timeout)
+        network = f"loopback limited to {args.rate}" if args.rate else "loopback"
+        (args.out / "time_to_accuracy.json").write_text(json.dumps(
+            {"argv": sys.argv, "network": network, "target": args.time_to_accuracy, "jobs": results}, indent=2))
+        print(f"| job | seconds to {args.time_to_accuracy} | step | final accuracy | training s | MB/step/worker |")
+        print("|---|---|---|---|---|---|")
+        for job, r in results.items():
+            seconds = f"{r['seconds_to_target']:.1f}" if r["seconds_to_target"] is not None else "not reached"
+            print(f"| {job} | {seconds} | {r['step_at_target']} | {r['final_accuracy']:.4f} | {r['train_time_s']:.1f} "
+                  f"| {r['bytes_per_step'] / 1e6:.2f} |")
+        return
 
     def measure(prefixes: list[list[str]], workers: int) -> dict:
         if args.launches == "separate":

@@ -166,3 +166,26 @@ def test_compression_benchmark_prints_every_compressor() -> None:
     assert float(rows["int8 block 64"][0]) == pytest.approx((4096 + 4 * 64) / (4 * 4096), abs=1e-4)
     assert float(rows["int8 block 256"][0]) == pytest.approx((4096 + 4 * 16) / (4 * 4096), abs=1e-4)
     assert {"int8-stochastic block 64", "int8-stochastic block 256"} <= set(rows)
+
+
+def test_time_to_accuracy_runs_real_jobs_and_reads_their_metrics(tmp_path: Path) -> None:
+    """--time-to-accuracy: a real decent-train job per entry of --jobs; the time reported is that of the first
+    evaluation at or above the target, as the job's own metrics.jsonl says."""
+    out = tmp_path / "tta"
+    train = ("model=mlp model.hidden_sizes=[32] dataset=digits steps=30 eval_every=10 seed=0 "
+             "logger.wandb.mode=disabled logger.progress_bar=false checkpoint.every=0")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--time-to-accuracy=0.3", "--workers=2", "--jobs=ring-int8", f"--train={train}",
+         f"--out={out}"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    job = json.loads((out / "time_to_accuracy.json").read_text())["jobs"]["ring-int8"]
+    records = [json.loads(line) for line in (out / "ring-int8" / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r for r in records if "eval/accuracy" in r]
+    assert [r["step"] for r in evaluated] == [10, 20, 30]
+    first = next(r for r in evaluated if r["eval/accuracy"] >= 0.3)
+    assert job["seconds_to_target"] == first["time/elapsed_s"] and job["step_at_target"] == first["step"]
+    assert job["final_accuracy"] == json.loads((out / "ring-int8" / "result.json").read_text())["eval/accuracy"]
+    assert job["bytes_per_step"] < 4 * (64 * 32 + 32 + 32 * 10 + 10) / 3  # int8: about a quarter of float32
+    assert "| ring-int8 |" in proc.stdout
