@@ -167,3 +167,54 @@ def test_a_wrong_compression_is_one_line() -> None:
         DecentralizedDataParallel(make_model(0), FROZEN, topology="ring", compression="int4")
     with pytest.raises(ValueError, match=r"consensus_step must be in \(0, 1\], got 0"):
         DecentralizedDataParallel(make_model(0), FROZEN, topology="ring", compression="int8", consensus_step=0)
+
+
+def _gossip_with_switches(rank: int, world_size: int, compression: str) -> dict[str, Any]:
+    """Pure gossip from perturbed parameters through switch_to (a new topology's copies start at zero), an exact
+    global average (copies reset to it) and the all-reduce mode and back."""
+    from loguru import logger
+
+    logger.remove()
+    ddp = DecentralizedDataParallel(make_model(0), FROZEN, topology="ring", bucket_size_in_mb=0.0005,
+                                    compression=compression)
+    generator = torch.Generator().manual_seed(100 + rank)
+    with torch.no_grad():
+        for p in ddp.parameters():
+            p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype))
+    start = [p.detach().clone() for p in ddp.parameters()]
+    snapshots = {}
+    for step in range(120):
+        if step == 30:
+            ddp.switch_to("one-peer-exp")
+        if step == 60:
+            ddp.global_avg(will_revert=False)
+            snapshots["averaged"] = [p.detach().clone() for p in ddp.parameters()]
+            with torch.no_grad():  # leave the average again, differently on every worker
+                for p in ddp.parameters():
+                    p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype))
+            snapshots["restart"] = [p.detach().clone() for p in ddp.parameters()]
+        if step == 90:
+            snapshots["before_allreduce"] = [p.detach().clone() for p in ddp.parameters()]
+            ddp.switch_to("allreduce")
+        if step == 95:
+            ddp.switch_to("complete")
+        x, y = batch(rank, step)
+        ((ddp(x) - y) ** 2).mean().backward()
+    return {"start": start, "end": [p.detach().clone() for p in ddp.parameters()], **snapshots,
+            "compressed": ddp.compressed}
+
+
+@pytest.mark.parametrize("compression", ["int8", "bf16"])
+def test_switches_and_global_averages_keep_the_copies_consistent(compression: str) -> None:
+    results = run_workers(_gossip_with_switches, 4, compression=compression)
+    assert all(r["compressed"] for r in results)  # gossip again after the all-reduce phase, compressed
+    for r in results[1:]:  # global_avg(will_revert=False): every worker at the same average
+        assert all(torch.equal(a, b) for a, b in zip(r["averaged"], results[0]["averaged"]))
+    first, _ = _mean_shift_and_consensus([{"start": r["start"], "end": r["averaged"]} for r in results])
+    assert first <= 1e-12  # 60 steps over ring, then one-peer-exp from zero copies: the mean never moved
+    shift, consensus = _mean_shift_and_consensus(
+        [{"start": r["restart"], "end": r["before_allreduce"]} for r in results]
+    )
+    assert shift <= 1e-12 and consensus < 1e-4  # one-peer-exp from copies reset to the average
+    shift, _ = _mean_shift_and_consensus([{"start": r["restart"], "end": r["end"]} for r in results])
+    assert shift <= 1e-12  # through the all-reduce phase and complete's fresh copies too
