@@ -6,11 +6,11 @@ One process simulates compressed ring gossip (engine/exchange.py's CompressedGos
 ``workers`` workers whose float32 parameters start at different random points, with no training: the consensus
 distance should fall as fast as uncompressed gossip's, until the compressor's error stops it. The starting points
 have scales as varied as a network's (log-uniform over 1e-4..1, per 100 elements), which is where the block size
-matters: one scale per block resolves the small values of a block only as well as its largest allows. For each compressor it
-prints the message size relative to float32, the consensus distance relative to its start after ``steps`` steps (and
-uncompressed gossip's), and the time to encode and to decode-and-add one message per million elements on one thread.
-``int8-stochastic`` rounds up with probability equal to the fraction (seeded), for comparison with the built-in
-round-to-nearest.
+matters: one scale per block resolves the small values of a block only as well as its largest allows. For each
+compressor it prints the message size relative to float32, the consensus distance relative to its start after
+``steps`` steps (and uncompressed gossip's), and the time to encode and to decode-and-add one message per million
+elements on one thread. ``int8-stochastic`` rounds up with probability equal to the fraction (seeded), for
+comparison with the built-in round-to-nearest.
 """
 
 from __future__ import annotations
