@@ -16,7 +16,9 @@ done, the bucket
 
 So the exchange overlaps the rest of backward, data loading and the next forward. A pair exchanges by one
 send/receive straight from the parameter memory (on the CPU posted from a thread of its own: gloo writes a send on the
-calling thread) and one average; a larger group all-reduces a copy. With gradient
+calling thread) and one average; a larger group all-reduces a copy; with ``compression`` both send compressed
+differences to public copies instead. What each sends and receives is engine/exchange.py's; this module keeps the
+hooks, the order of a step, the modes and the state dict. With gradient
 clipping or a GradScaler every gradient must be known before any bucket steps (global norm, overflow on any worker),
 so steps move to the end of backward; the exchange still overlaps the next forward.
 
@@ -50,10 +52,17 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils._pytree import tree_flatten
 
-from decent_train.engine.exchange import CompressedGossip, Compressor, make_compressor
+from decent_train.engine.exchange import (
+    MESSAGE_TAGS,
+    CompressedGossip,
+    Compressor,
+    ExchangeBuffers,
+    Exchanger,
+    make_compressor,
+)
 from decent_train.engine.optim import LRSchedulerFn, OptimFn
 from decent_train.engine.topology import Edge, Topology, get_topology_class
-from decent_train.engine.utils import CommWaits, ExchangeError, PairPoster, peers_must_answer, run_collective
+from decent_train.engine.utils import CommWaits, ExchangeError, peers_must_answer, run_collective
 
 __all__ = ["ALLREDUCE", "DecentralizedDataParallel", "ExchangeError", "OPTIM_FN_TYPE", "LR_SCHEDULER_FN_TYPE"]
 
@@ -66,7 +75,6 @@ _SECOND_BACKWARD = (
     "set_accumulate_grad(True) for all but the last micro-batch."
 )
 _ALIGN = 32  # elements: every parameter starts 64-256 bytes aligned inside its bucket
-_MESSAGE_TAGS = 1 << 16  # p2p tags per bucket: message i of bucket b is tagged b * _MESSAGE_TAGS + i
 
 
 ALLREDUCE = "allreduce"
@@ -108,36 +116,24 @@ class _Exchange:
     round_: int = 0  # the round of the period (compressed exchanges keep copies per round)
 
 
-@dataclass
-class _Bucket:
-    """Parameters of one dtype and device that mix, step and exchange together.
-
-    ``flat`` holds the parameter values (the parameters are views of it with ``param_as_bucket_view``; otherwise it is
-    a staging copy). ``comm`` receives the neighbours' values. ``staged`` (rounds of several stages) holds the result of
-    the stages done so far; ``grads`` (all-reduce mode) the gradients being averaged. Both are allocated when first
-    needed.
+@dataclass(kw_only=True)
+class _Bucket(ExchangeBuffers):
+    """Parameters of one dtype and device that mix, step and exchange together (the exchange's buffers: the base
+    class). ``flat`` holds the parameter values: the parameters are views of it with ``param_as_bucket_view``;
+    otherwise it is a staging copy. ``grads`` (all-reduce mode) holds the gradients being averaged, allocated when
+    first needed.
     """
 
-    index: int
     names: list[str]
     params: list[nn.Parameter]
-    flat: Tensor
-    comm: Tensor
     views: list[Tensor]  # each parameter's slice of ``flat``
     optimizer: Optimizer
     scheduler: LRScheduler | None
     pending: _Exchange | None = None
     ready: int = 0  # parameters whose gradient arrived in this backward
-    staged: Tensor | None = None
     grads: Tensor | None = None
-    grad_views: list[Tensor] = field(default_factory=list)  # each parameter's slice of ``grads``
+    grad_views: list[Tensor] = field(default_factory=list)  # each parameter's slice of ``grads`` (an anchor, too)
     gradient_works: list[Any] = field(default_factory=list)
-    # Views keep a second reference to every buffer that an asynchronous collective runs on (``flat`` has ``views``,
-    # ``grads`` has ``grad_views``, ``comm`` this one): gloo's worker thread may drop such a work last, and releasing a
-    # tensor's last reference there takes the GIL, which aborts the process during interpreter teardown
-    # (utils.run_collective).
-    comm_anchor: Tensor | None = None
-    compressed: CompressedGossip | None = None  # with ``compression``: the copies of each round (engine/exchange.py)
 
     @property
     def complete(self) -> bool:
@@ -145,11 +141,6 @@ class _Bucket:
 
     def has_grads(self) -> bool:
         return any(p.grad is not None for p in self.params)
-
-    def staging(self) -> Tensor:
-        if self.staged is None:
-            self.staged = torch.empty_like(self.flat)
-        return self.staged
 
     def gradient_views(self) -> list[Tensor]:
         """Each parameter's slice of ``grads``, laid out like the parameter (allocated at the first call)."""
@@ -282,17 +273,17 @@ class DecentralizedDataParallel(nn.Module):
         self._global_average: _GlobalAverage | None = None
         self._overflow = False  # fp16: an inf/nan gradient on some worker at this step (read once per step)
         self._waits = CommWaits(self._timeout)
-        self._pairs = PairPoster()
 
         self._check_same_model_everywhere()
         self._broadcast_from_rank0()
         self._buckets = self._build_buckets(optim_fn, lr_scheduler_fn, bucket_size_in_mb * 2**20)
         self._exchange_group = self._make_exchange_group()
-        messages = max((len(self._message_pieces(b.flat)) for b in self._buckets), default=0)
-        if messages > _MESSAGE_TAGS:
+        self._exchanger = Exchanger(self._rank, self._exchange_group, self._message_bytes, self._consensus_step)
+        messages = max((len(self._exchanger.pieces(b.flat)) for b in self._buckets), default=0)
+        if messages > MESSAGE_TAGS:
             raise ValueError(
                 f"message_size_in_mb={message_size_in_mb} splits a bucket into {messages} messages, more than "
-                f"{_MESSAGE_TAGS}; use larger messages"
+                f"{MESSAGE_TAGS}; use larger messages"
             )
         for bucket in self._buckets:
             for param in bucket.params:
@@ -469,7 +460,10 @@ class DecentralizedDataParallel(nn.Module):
             for p, offset in zip(params, offsets):
                 p.comm_buffer = _slice_like(comm, offset, p)  # type: ignore[attr-defined]
         scheduler = lr_scheduler_fn(optimizer) if lr_scheduler_fn is not None else None
-        return _Bucket(index, names, params, flat, comm, views, optimizer, scheduler, comm_anchor=comm.view_as(comm))
+        return _Bucket(
+            index=index, flat=flat, comm=comm, comm_anchor=comm.view_as(comm), names=names, params=params, views=views,
+            optimizer=optimizer, scheduler=scheduler,
+        )
 
     # -- training -----------------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -635,48 +629,11 @@ class DecentralizedDataParallel(nn.Module):
             torch._foreach_copy_(bucket.views, [p.data for p in bucket.params])
         value = bucket.flat
         for k, edge in enumerate(stages[:async_stage]):
-            works = self._start_stage(bucket, edge, value, (round_, k))
+            works = self._exchanger.start(bucket, edge, value, (round_, k))
             self._wait_works(works, bucket, edge.ranks, "exchange")
-            value = self._finish_stage(bucket, edge, value, (round_, k))
-        works = self._start_stage(bucket, stages[async_stage], value, (round_, async_stage))
+            value = self._exchanger.finish(bucket, edge, value, (round_, k))
+        works = self._exchanger.start(bucket, stages[async_stage], value, (round_, async_stage))
         bucket.pending = _Exchange(stages, async_stage, value, works, round_)
-
-    def _start_stage(self, bucket: _Bucket, edge: Edge, value: Tensor, key: tuple[int, int]) -> list[Any]:
-        """Send ``value`` to the group; a pair receives the peer's value into ``comm``, a group the sum over it. With
-        compression, the compressed difference to the public copy of stage ``key`` (round, stage) instead."""
-        if edge.size == 1:
-            return []
-        if bucket.compressed is not None:
-            return self._start_compressed(bucket, edge, bucket.compressed.encode(value, key))
-        if edge.size == 2:
-            peer = edge.ranks[0] if edge.ranks[1] == self._rank else edge.ranks[1]
-            pieces = zip(self._message_pieces(value), self._message_pieces(bucket.comm))
-            return self._pairs.post(
-                [
-                    op
-                    for i, (send, receive) in enumerate(pieces)
-                    for op in (
-                        dist.P2POp(dist.isend, send, peer, self._exchange_group, _MESSAGE_TAGS * bucket.index + i),
-                        dist.P2POp(dist.irecv, receive, peer, self._exchange_group, _MESSAGE_TAGS * bucket.index + i),
-                    )
-                ]
-            )
-        bucket.comm.copy_(value)
-        return [dist.all_reduce(bucket.comm, group=edge.group, async_op=True)]
-
-    def _start_compressed(self, bucket: _Bucket, edge: Edge, message: Tensor) -> list[Any]:
-        """Send this worker's compressed difference to its group: a pair swaps messages, a group all-gathers them."""
-        incoming = bucket.compressed.incoming
-        if edge.size == 2:
-            peer = edge.ranks[0] if edge.ranks[1] == self._rank else edge.ranks[1]
-            tag = _MESSAGE_TAGS * bucket.index
-            return self._pairs.post(
-                [
-                    dist.P2POp(dist.isend, message, peer, self._exchange_group, tag),
-                    dist.P2POp(dist.irecv, incoming[0], peer, self._exchange_group, tag),
-                ]
-            )
-        return [dist.all_gather(incoming[: edge.size], message, group=edge.group, async_op=True)]
 
     def _mix_compressed(self, bucket: _Bucket, exchange: _Exchange) -> None:
         """Finish the stage in flight and run the ones after it, each a compressed gossip step on the round's value;
@@ -685,58 +642,18 @@ class DecentralizedDataParallel(nn.Module):
         stages, k, value, round_ = exchange.stages, exchange.async_stage, exchange.value, exchange.round_
         if len(stages) == 1:
             edge, step = stages[0], self._consensus_step * self._adaptive_factor
-            bucket.compressed.mix(value, value, (round_, 0), self._received(bucket, edge), edge.neighbor_weight,
-                                  edge.weight, step)
+            received = self._exchanger.received(bucket, edge)
+            bucket.compressed.mix(value, value, (round_, 0), received, edge.neighbor_weight, edge.weight, step)
         else:
             for j in range(k, len(stages)):
                 if j > k:
-                    works = self._start_stage(bucket, stages[j], value, (round_, j))
+                    works = self._exchanger.start(bucket, stages[j], value, (round_, j))
                     self._wait_works(works, bucket, stages[j].ranks, "exchange")
-                value = self._finish_stage(bucket, stages[j], value, (round_, j))
+                value = self._exchanger.finish(bucket, stages[j], value, (round_, j))
             if value is not bucket.flat:
                 bucket.flat.lerp_(value, self._adaptive_factor)
         if not self._param_as_bucket_view:
             torch._foreach_copy_([p.data for p in bucket.params], bucket.views)
-
-    def _received(self, bucket: _Bucket, edge: Edge) -> list[Tensor]:
-        """The messages of the other members of ``edge`` (an all-gather's outputs hold this worker's own too)."""
-        incoming = bucket.compressed.incoming
-        if edge.size == 2:
-            return incoming[:1]
-        me = edge.ranks.index(self._rank)
-        return [incoming[k] for k in range(edge.size) if k != me]
-
-    def _message_pieces(self, flat: Tensor) -> tuple[Tensor, ...]:
-        """``flat`` as the messages a pair sends: one, or pieces of ``message_size_in_mb``."""
-        if not self._message_bytes:
-            return (flat,)
-        return flat.split(max(1, self._message_bytes // flat.element_size()))
-
-    @staticmethod
-    def _stage_coefficients(edge: Edge) -> tuple[float, float]:
-        """(a, b) with the stage's result ``a * value + b * comm`` (see ``_start_stage`` for what comm holds)."""
-        if edge.size == 1:
-            return 1.0, 0.0
-        if edge.size == 2:
-            return edge.weight, 1.0 - edge.weight
-        neighbor = 1.0 / edge.size if edge.is_uniform else edge.neighbor_weight
-        return (0.0 if edge.is_uniform else edge.weight - neighbor), neighbor
-
-    def _finish_stage(self, bucket: _Bucket, edge: Edge, value: Tensor, key: tuple[int, int]) -> Tensor:
-        """A stage's result, into ``staged`` (the parameters themselves change only at the mix)."""
-        if edge.size == 1:
-            return value
-        out = bucket.staging()
-        if bucket.compressed is not None:
-            bucket.compressed.mix(value, out, key, self._received(bucket, edge), edge.neighbor_weight, edge.weight,
-                                  self._consensus_step)
-            return out
-        own, other = self._stage_coefficients(edge)
-        if value is out:
-            out.mul_(own).add_(bucket.comm, alpha=other)
-        else:
-            torch.mul(bucket.comm, other, out=out).add_(value, alpha=own)
-        return out
 
     def _wait(self, bucket: _Bucket) -> _Exchange | None:
         exchange, bucket.pending = bucket.pending, None
@@ -765,11 +682,11 @@ class DecentralizedDataParallel(nn.Module):
         stages, k, value = exchange.stages, exchange.async_stage, exchange.value
         alpha, edge = self._adaptive_factor, stages[k]
         for edge in stages[k + 1 :]:  # the stages after the one in flight: first finish that, then run each
-            value = self._finish_stage(bucket, stages[k], value, (exchange.round_, k))
-            works = self._start_stage(bucket, edge, value, (exchange.round_, k + 1))
+            value = self._exchanger.finish(bucket, stages[k], value, (exchange.round_, k))
+            works = self._exchanger.start(bucket, edge, value, (exchange.round_, k + 1))
             self._wait_works(works, bucket, edge.ranks, "exchange")
             k += 1
-        own, other = self._stage_coefficients(edge)  # x_new = (1-alpha) x + alpha (own value + other comm)
+        own, other = Exchanger.coefficients(edge)  # x_new = (1-alpha) x + alpha (own value + other comm)
         if hasattr(bucket.optimizer, "pre_average_hook"):  # one-stage rounds only (checked when the phase starts)
             # decent-dp's contract: comm_buffer holds neighbor * (sum over the group) when the hook runs. A pair's
             # comm holds the peer's value, so its sum gains our own and our coefficient loses the neighbour's share.
@@ -785,22 +702,9 @@ class DecentralizedDataParallel(nn.Module):
             self._write_mix(bucket, value, alpha * own, alpha * other, keep=1.0 - alpha)
 
     def _write_mix(self, bucket: _Bucket, value: Tensor, own: float, other: float, keep: float | None = None) -> None:
-        """flat <- own * flat + other * comm (``value`` is flat), or with a staged ``value``: keep * flat + own * value
-        + other * comm; then into the parameters (when they are not views of flat). Zero terms are skipped."""
-        flat = bucket.flat
-        if value is flat:
-            if own == 0.0:
-                torch.mul(bucket.comm, other, out=flat)
-            elif other != 0.0 and abs(own + other - 1.0) < 1e-12:  # a convex combination (every pair): one pass
-                flat.lerp_(bucket.comm, other)
-            elif own != 1.0 or other != 0.0:
-                flat.mul_(own)
-                if other != 0.0:
-                    flat.add_(bucket.comm, alpha=other)
-        else:
-            torch.mul(value, own, out=flat) if keep == 0.0 else flat.mul_(keep).add_(value, alpha=own)
-            if other != 0.0:
-                flat.add_(bucket.comm, alpha=other)
+        """The round's result into ``flat`` (``Exchanger.combine``), then into the parameters (when they are not views
+        of flat)."""
+        self._exchanger.combine(bucket, value, own, other, keep)
         if not self._param_as_bucket_view:
             torch._foreach_copy_([p.data for p in bucket.params], bucket.views)
 

@@ -1,4 +1,13 @@
-"""Compressed gossip: CHOCO-style difference compression with a reference per round of the period.
+"""The exchange: what a pair, a group and a stage of a round send and receive, in full precision or compressed.
+
+``Exchanger.start`` sends a value to the stage's group and ``Exchanger.finish`` turns what arrived into the stage's
+result; ``Exchanger.combine`` writes a round's result into the parameters' buffer. The engine (ddp.py) decides when:
+it keeps the hooks, the order of a step (mix, optimizer step, launch), the modes and the state dict.
+
+Full precision: a pair swaps its values by point-to-point send/receive straight from the parameters' memory (on the
+CPU posted from a thread of its own, utils.PairPoster); a group of three or more all-reduces a copy.
+
+Compressed gossip: CHOCO-style difference compression with a reference per round of the period.
 
 Why differences: averaging compressed copies of the parameters (send Q(x_j), mix it in) moves the workers' mean by
 the compression error of |x| at every step, forever. Here each worker i keeps, for each round r of the topology's
@@ -25,9 +34,24 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["BFloat16Compressor", "Compressor", "CompressedGossip", "Int8Compressor", "make_compressor"]
+from decent_train.engine.topology import Edge
+from decent_train.engine.utils import PairPoster
+
+__all__ = [
+    "BFloat16Compressor",
+    "Compressor",
+    "CompressedGossip",
+    "ExchangeBuffers",
+    "Exchanger",
+    "Int8Compressor",
+    "MESSAGE_TAGS",
+    "make_compressor",
+]
+
+MESSAGE_TAGS = 1 << 16  # p2p tags per bucket: message i of bucket b is tagged b * MESSAGE_TAGS + i
 
 
 class Compressor(Protocol):
@@ -204,3 +228,137 @@ class CompressedGossip:
         for r, (own, others) in state["copies"].items():
             self.copies[r].own.copy_(own)
             self.copies[r].others.copy_(others)
+
+
+@dataclass(kw_only=True)
+class ExchangeBuffers:
+    """A bucket's memory for its exchanges. ``flat`` holds the values exchanged (the parameters'), ``comm`` receives
+    the neighbours' values (a pair's) or their sum (a group's); ``staged`` (rounds of several stages, allocated when
+    first needed) holds the result of the stages done so far; ``compressed``, with compression, the public copies.
+
+    ``comm_anchor`` is a view that keeps a second reference to ``comm`` (``flat`` has the parameters' views): gloo's
+    worker thread may drop an asynchronous collective's work last, and releasing a tensor's last reference there takes
+    the GIL, which aborts the process during interpreter teardown (utils.run_collective).
+    """
+
+    index: int
+    flat: Tensor
+    comm: Tensor
+    comm_anchor: Tensor | None = None
+    staged: Tensor | None = None
+    compressed: CompressedGossip | None = None
+
+    def staging(self) -> Tensor:
+        if self.staged is None:
+            self.staged = torch.empty_like(self.flat)
+        return self.staged
+
+
+class Exchanger:
+    """Sends and receives one stage of a round for a bucket: a pair by point-to-point, a group by a collective, in
+    full precision or as compressed differences (the bucket's ``compressed`` state). Stateless between calls; the
+    engine waits on what :meth:`start` returns before :meth:`finish`."""
+
+    def __init__(self, rank: int, group: dist.ProcessGroup | None, message_bytes: int, consensus_step: float):
+        self.rank, self.group = rank, group  # group: pairs' point-to-point (None: the default group)
+        self.message_bytes = message_bytes  # a pair's messages at most this large (0: one per bucket)
+        self.consensus_step = consensus_step
+        self.pairs = PairPoster()
+
+    def start(self, bucket: ExchangeBuffers, edge: Edge, value: Tensor, key: tuple[int, int]) -> list[Any]:
+        """Send ``value`` to the group; a pair receives the peer's value into ``comm``, a group the sum over it. With
+        compression, the compressed difference to the public copy of stage ``key`` (round, stage) instead."""
+        if edge.size == 1:
+            return []
+        if bucket.compressed is not None:
+            return self._start_compressed(bucket, edge, bucket.compressed.encode(value, key))
+        if edge.size == 2:
+            peer = self._peer(edge)
+            pieces = zip(self.pieces(value), self.pieces(bucket.comm))
+            return self.pairs.post(
+                [
+                    op
+                    for i, (send, receive) in enumerate(pieces)
+                    for op in (
+                        dist.P2POp(dist.isend, send, peer, self.group, MESSAGE_TAGS * bucket.index + i),
+                        dist.P2POp(dist.irecv, receive, peer, self.group, MESSAGE_TAGS * bucket.index + i),
+                    )
+                ]
+            )
+        bucket.comm.copy_(value)
+        return [dist.all_reduce(bucket.comm, group=edge.group, async_op=True)]
+
+    def _start_compressed(self, bucket: ExchangeBuffers, edge: Edge, message: Tensor) -> list[Any]:
+        """A pair swaps messages, a group all-gathers them."""
+        incoming = bucket.compressed.incoming
+        if edge.size == 2:
+            peer, tag = self._peer(edge), MESSAGE_TAGS * bucket.index
+            return self.pairs.post(
+                [
+                    dist.P2POp(dist.isend, message, peer, self.group, tag),
+                    dist.P2POp(dist.irecv, incoming[0], peer, self.group, tag),
+                ]
+            )
+        return [dist.all_gather(incoming[: edge.size], message, group=edge.group, async_op=True)]
+
+    def _peer(self, edge: Edge) -> int:
+        return edge.ranks[0] if edge.ranks[1] == self.rank else edge.ranks[1]
+
+    def received(self, bucket: ExchangeBuffers, edge: Edge) -> list[Tensor]:
+        """The compressed messages of the other members of ``edge`` (an all-gather's outputs hold this worker's too)."""
+        incoming = bucket.compressed.incoming
+        if edge.size == 2:
+            return incoming[:1]
+        me = edge.ranks.index(self.rank)
+        return [incoming[k] for k in range(edge.size) if k != me]
+
+    def pieces(self, flat: Tensor) -> tuple[Tensor, ...]:
+        """``flat`` as the messages a pair sends: one, or pieces of ``message_bytes``."""
+        if not self.message_bytes:
+            return (flat,)
+        return flat.split(max(1, self.message_bytes // flat.element_size()))
+
+    @staticmethod
+    def coefficients(edge: Edge) -> tuple[float, float]:
+        """(a, b) with the stage's result ``a * value + b * comm`` (see :meth:`start` for what comm holds)."""
+        if edge.size == 1:
+            return 1.0, 0.0
+        if edge.size == 2:
+            return edge.weight, 1.0 - edge.weight
+        neighbor = 1.0 / edge.size if edge.is_uniform else edge.neighbor_weight
+        return (0.0 if edge.is_uniform else edge.weight - neighbor), neighbor
+
+    def finish(self, bucket: ExchangeBuffers, edge: Edge, value: Tensor, key: tuple[int, int]) -> Tensor:
+        """A stage's result, into ``staged`` (the parameters themselves change only at the mix)."""
+        if edge.size == 1:
+            return value
+        out = bucket.staging()
+        if bucket.compressed is not None:
+            bucket.compressed.mix(value, out, key, self.received(bucket, edge), edge.neighbor_weight, edge.weight,
+                                  self.consensus_step)
+            return out
+        own, other = self.coefficients(edge)
+        if value is out:
+            out.mul_(own).add_(bucket.comm, alpha=other)
+        else:
+            torch.mul(bucket.comm, other, out=out).add_(value, alpha=own)
+        return out
+
+    @staticmethod
+    def combine(bucket: ExchangeBuffers, value: Tensor, own: float, other: float, keep: float | None = None) -> None:
+        """flat <- own * flat + other * comm (``value`` is flat), or with a staged ``value``: keep * flat + own * value
+        + other * comm. Zero terms are skipped; a convex pair of terms is one ``lerp_`` pass."""
+        flat = bucket.flat
+        if value is flat:
+            if own == 0.0:
+                torch.mul(bucket.comm, other, out=flat)
+            elif other != 0.0 and abs(own + other - 1.0) < 1e-12:  # a convex combination (every pair): one pass
+                flat.lerp_(bucket.comm, other)
+            elif own != 1.0 or other != 0.0:
+                flat.mul_(own)
+                if other != 0.0:
+                    flat.add_(bucket.comm, alpha=other)
+        else:
+            torch.mul(value, own, out=flat) if keep == 0.0 else flat.mul_(keep).add_(value, alpha=own)
+            if other != 0.0:
+                flat.add_(bucket.comm, alpha=other)
