@@ -316,8 +316,6 @@ class DecentralizedDataParallel(nn.Module):
                 kwargs = {"timeout": timeout, "world_group": self._exchange_group} if timeout is not None else {}
                 topology.create_groups(**kwargs)
             self._topologies[key] = topology
-        if self._compressor is not None and any(hasattr(b.optimizer, "pre_average_hook") for b in self._buckets):
-            raise ValueError("compression: an optimizer with decent-dp's pre_average_hook reads uncompressed values")
         if topology.is_staged and any(hasattr(b.optimizer, "pre_average_hook") for b in self._buckets):
             raise ValueError(
                 f"topology '{topology.name}' has rounds of several stages; an optimizer with decent-dp's "
@@ -449,13 +447,16 @@ class DecentralizedDataParallel(nn.Module):
             offsets.append(total)
             total += _aligned(p.numel())
         flat = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
-        comm = torch.zeros_like(flat)
+        # Compressed gossip receives into its own (smaller) messages: no float copy of the bucket to receive into.
+        comm = torch.zeros_like(flat) if self._compressor is None else flat.new_zeros(0)
         views = [_slice_like(flat, o, p) for o, p in zip(offsets, params)]
         torch._foreach_copy_(views, [p.data for p in params])
         if self._param_as_bucket_view:
             for p, view in zip(params, views):
                 p.data = view
         optimizer = optim_fn(list(zip(names, params)))
+        if self._compressor is not None and hasattr(optimizer, "pre_average_hook"):
+            raise ValueError("compression: an optimizer with decent-dp's pre_average_hook reads uncompressed values")
         if hasattr(optimizer, "pre_average_hook"):  # decent-dp's extension point reads the received values here
             for p, offset in zip(params, offsets):
                 p.comm_buffer = _slice_like(comm, offset, p)  # type: ignore[attr-defined]
