@@ -31,6 +31,7 @@ from decent_train.engine.exchange import (  # noqa: E402
     Compressor,
     Int8Compressor,
 )
+from decent_train.engine.topology import Edge  # noqa: E402
 
 
 class StochasticInt8(Int8Compressor):
@@ -42,15 +43,8 @@ class StochasticInt8(Int8Compressor):
         super().__init__(block)
         self.generator = torch.Generator().manual_seed(seed)
 
-    def encode_(self, scratch: Tensor, message: Tensor) -> None:
-        levels, scales = self._split(message, scratch.numel())
-        rows = scratch.view(-1, self.block)
-        scales.copy_(torch.maximum(rows.amax(1), rows.amin(1).neg_()) / self.LEVELS)
-        scale = scales.to(scratch.dtype).unsqueeze(1)
-        rows.div_(torch.where(scale > 0, scale, torch.ones_like(scale)))
+    def _round_(self, rows: Tensor) -> None:
         rows.add_(torch.rand(rows.shape, generator=self.generator, dtype=rows.dtype)).floor_().clamp_(-127, 127)
-        levels.copy_(rows)
-        rows.mul_(scale)
 
 
 def ring_pairs(step: int, workers: int) -> list[tuple[int, int]]:
@@ -76,24 +70,25 @@ def gossip(compressor: Compressor | None, workers: int, numel: int, steps: int) 
             for i, j in ring_pairs(step, workers):
                 xs[i] = xs[j] = (xs[i] + xs[j]) / 2
         return consensus(xs) / start
-    states = [CompressedGossip.create(compressor, xs[i], {(r, 0): 2 for r in range(2)}) for i in range(workers)]
+    pair = Edge([0, 1])  # weight 1/2 each: the copies depend on the group's size and weights only
+    states = [CompressedGossip.create(compressor, xs[i], {(r, 0): pair for r in range(2)}) for i in range(workers)]
     for state in states:
-        state.reset(None, {(0, 0): 0.5, (1, 0): 0.5})
+        state.reset(None)
     for step in range(steps):
         pairs = ring_pairs(step, workers)
         key = (step % 2, 0)
         messages = [states[i].encode(xs[i], key).clone() for i in range(workers)]
         for i, j in pairs:
             for me, peer in ((i, j), (j, i)):
-                states[me].mix(xs[me], xs[me], key, [messages[peer]], 0.5, 0.5, 1.0)
+                states[me].mix(xs[me], xs[me], key, [messages[peer]], 1.0)
     return consensus(xs) / start
 
 
 def seconds_per_million(compressor: Compressor, numel: int, repeats: int = 10) -> tuple[float, float]:
     """(encode, decode and add) seconds per million elements on one thread."""
     x = torch.randn(numel)
-    state = CompressedGossip.create(compressor, x, {(0, 0): 2})
-    state.reset(None, {(0, 0): 0.5})
+    state = CompressedGossip.create(compressor, x, {(0, 0): Edge([0, 1])})
+    state.reset(None)
     message = state.encode(x, (0, 0)).clone()
     start = time.perf_counter()
     for _ in range(repeats):
@@ -101,7 +96,7 @@ def seconds_per_million(compressor: Compressor, numel: int, repeats: int = 10) -
     encode = (time.perf_counter() - start) / repeats
     start = time.perf_counter()
     for _ in range(repeats):
-        state.mix(x, x, (0, 0), [message], 0.5, 0.5, 0.0)
+        state.mix(x, x, (0, 0), [message], 0.0)
     mix = (time.perf_counter() - start) / repeats
     return encode * 1e6 / numel, mix * 1e6 / numel
 

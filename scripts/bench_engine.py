@@ -44,9 +44,9 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
-from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,8 @@ from torch import Tensor, nn
 from torch.autograd.profiler import record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # decent_train from this checkout, installed or not
+
+from decent_train.engine.exchange import COMPRESSORS  # noqa: E402
 
 Step = Callable[[Tensor, Tensor], None]
 
@@ -338,9 +340,9 @@ def main() -> None:
     args = parser().parse_args()
 
     compressions = tuple(args.compression.split(","))
-    unknown = [c for c in compressions if c not in ("none", "bf16", "int8")]
+    unknown = [c for c in compressions if c not in ("none", *COMPRESSORS)]
     if unknown:
-        sys.exit(f"bench_engine.py: --compression {','.join(unknown)}: valid are none, bf16, int8")
+        sys.exit(f"bench_engine.py: --compression {','.join(unknown)}: valid are none, {', '.join(COMPRESSORS)}")
     candidates = implementations(args.topologies.split(","), args.message_mb, compressions)
     if args.only:
         known = [name for name, _, _ in candidates]
@@ -379,7 +381,7 @@ def main() -> None:
             steps[name] = BUILDERS[builder](
                 model, topology, replace(
                     setup, message_mb=args.message_mb if builder == "decent_train_messages" else 0,
-                    compression=name.rsplit("/", 1)[1] if name.endswith(("/bf16", "/int8")) else "none",
+                    compression=name.rpartition("/")[2] if name.rpartition("/")[2] in COMPRESSORS else "none",
                 )
             )
         except (ImportError, ValueError) as exc:

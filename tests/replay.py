@@ -194,6 +194,14 @@ def topology_for(name: str, world_size: int, local_world_size: int = 1) -> Topol
     return build_topology(name, world_size, local_world_size)
 
 
+def round_trip(compressor: Any, values: Tensor) -> Tensor:
+    """D(Q(values)): what a receiver decodes from the message of ``values`` (a 1-D tensor)."""
+    scratch = values.new_zeros(compressor.padded_numel(values.numel()))
+    scratch[: values.numel()] = values
+    compressor.encode_(scratch, torch.empty(compressor.message_bytes(values.numel()), dtype=torch.uint8))
+    return scratch[: values.numel()].clone()
+
+
 def replay_compressed(
     topology: Topology,
     steps: int,
@@ -237,12 +245,6 @@ def replay_compressed(
             p.copy_(vector[offset : offset + p.numel()].view_as(p))
             offset += -(-p.numel() // align) * align
 
-    def decoded(difference: Tensor) -> Tensor:
-        scratch = difference.new_zeros(compressor.padded_numel(difference.numel()))
-        scratch[: difference.numel()] = difference
-        compressor.encode_(scratch, torch.empty(compressor.message_bytes(difference.numel()), dtype=torch.uint8))
-        return scratch[: difference.numel()].clone()
-
     grouped = lambda r, i: matrices[r][i, i] < 1  # noqa: E731
     copies = {
         (i, r, b): [flat(i, names), flat(i, names) * (1 - matrices[r][i, i])]
@@ -259,7 +261,7 @@ def replay_compressed(
                 q = {}
                 for i in range(n):
                     if grouped(r, i):
-                        q[i] = decoded(xs[i] - copies[i, r, b][0])
+                        q[i] = round_trip(compressor, xs[i] - copies[i, r, b][0])
                         copies[i, r, b][0] = copies[i, r, b][0] + q[i]
                 for i in range(n):
                     if grouped(r, i):

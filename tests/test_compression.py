@@ -14,7 +14,15 @@ import torch
 from decent_train import DecentralizedDataParallel, optim_fn_adam, optim_fn_sgd
 from decent_train.engine.exchange import BFloat16Compressor, Int8Compressor, make_compressor
 from tests.distributed import run_workers
-from tests.replay import batch, make_model, max_deviation, replay_compressed, topology_for, train_engine
+from tests.replay import (
+    batch,
+    make_model,
+    max_deviation,
+    replay_compressed,
+    round_trip,
+    topology_for,
+    train_engine,
+)
 
 FROZEN = partial(optim_fn_sgd, lr=0.0, momentum=0.0, weight_decay=0.0)  # pure gossip: the optimizer never moves x
 
@@ -33,10 +41,7 @@ def _gossip_perturbed(rank: int, world_size: int, topology: str, compression: st
         def naive_mix(bucket: Any) -> None:
             if bucket.pending is not None:
                 ddp._wait_keep(bucket)
-                scratch = torch.zeros(compressor.padded_numel(bucket.comm.numel()), dtype=bucket.comm.dtype)
-                scratch[: bucket.comm.numel()] = bucket.comm
-                compressor.encode_(scratch, torch.empty(compressor.message_bytes(bucket.comm.numel()), dtype=torch.uint8))
-                bucket.comm.copy_(scratch[: bucket.comm.numel()])
+                bucket.comm.copy_(round_trip(compressor, bucket.comm))
             mix(bucket)
 
         ddp._mix = naive_mix
@@ -54,7 +59,9 @@ def _gossip_perturbed(rank: int, world_size: int, topology: str, compression: st
 def _mean_shift_and_consensus(results: list[dict[str, Any]]) -> tuple[float, float]:
     """(largest relative move of the workers' mean, consensus distance at the end / at the start)."""
     n = len(results)
-    means = {key: [sum(r[key][k] for r in results) / n for k in range(len(results[0][key]))] for key in ("start", "end")}
+    means = {
+        key: [sum(r[key][k] for r in results) / n for k in range(len(results[0][key]))] for key in ("start", "end")
+    }
     shift = max(((a - b).abs().max() / a.abs().max()).item() for a, b in zip(means["start"], means["end"]))
 
     def distance(key: str) -> float:

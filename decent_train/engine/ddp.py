@@ -113,7 +113,7 @@ class _Exchange:
     async_stage: int
     value: Tensor
     works: list[Any]
-    round_: int = 0  # the round of the period (compressed exchanges keep copies per round)
+    round_: int = 0  # the round of the period: with its stage, the key of compressed exchanges' copies
 
 
 @dataclass(kw_only=True)
@@ -354,26 +354,20 @@ class DecentralizedDataParallel(nn.Module):
                 logger.info("DecentralizedDataParallel: all-reduce mode averages full-precision gradients "
                             f"({self._compressor.name} compression applies to gossip)")
             return
-        for bucket in self._buckets:
-            bucket.compressed = CompressedGossip.create(
-                self._compressor, bucket.flat, {key: edge.size for key, edge in self._compressed_stages().items()}
-            )
-        self._reset_compression(identical)
-
-    def _compressed_stages(self) -> dict[tuple[int, int], Edge]:
-        """This worker's groups in the current phase by (round, stage): each has public copies of its own."""
-        return {
+        groups = {  # this worker's groups by (round, stage): each has public copies of its own
             (r, k): edge
             for r, stages in enumerate(self._phase.my_stages)
             for k, edge in enumerate(stages)
             if edge.size > 1
         }
+        for bucket in self._buckets:
+            bucket.compressed = CompressedGossip.create(self._compressor, bucket.flat, groups)
+        self._reset_compression(identical)
 
     def _reset_compression(self, identical: bool) -> None:
-        weights = {key: float(edge.weight) for key, edge in self._compressed_stages().items()}
         for bucket in self._buckets:
             if bucket.compressed is not None:
-                bucket.compressed.reset(bucket.flat if identical else None, weights)
+                bucket.compressed.reset(bucket.flat if identical else None)
 
     @property
     def comm_wait_seconds(self) -> float:
@@ -644,7 +638,7 @@ class DecentralizedDataParallel(nn.Module):
         if len(stages) == 1:
             edge, step = stages[0], self._consensus_step * self._adaptive_factor
             received = self._exchanger.received(bucket, edge)
-            bucket.compressed.mix(value, value, (round_, 0), received, edge.neighbor_weight, edge.weight, step)
+            bucket.compressed.mix(value, value, (round_, 0), received, step)
         else:
             for j in range(k, len(stages)):
                 if j > k:

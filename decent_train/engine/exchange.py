@@ -10,22 +10,24 @@ CPU posted from a thread of its own, utils.PairPoster); a group of three or more
 Compressed gossip: CHOCO-style difference compression with a reference per round of the period.
 
 Why differences: averaging compressed copies of the parameters (send Q(x_j), mix it in) moves the workers' mean by
-the compression error of |x| at every step, forever. Here each worker i keeps, for each round r of the topology's
-period, a public copy ``own`` = x̂_i^r of its parameters that every member of its round-r group holds bit-identically,
+the compression error of |x| at every step, forever. Here each worker i keeps, for each round r (and stage) of the
+topology's period, a public copy ``own`` = x̂_i^r of its parameters that every member of its round-r group tracks,
 and ``others`` = Σ_{j≠i} w_ij x̂_j^r, the weighted copies of the other members (Koloskova et al. 2019, CHOCO-SGD, with
 the two-buffer form of EPFL's implementation). Round r's exchange of bucket b:
 
     launch (after the bucket's step):  q_i = Q(x_i − x̂_i^r);  x̂_i^r += D(q_i);  send q_i to the group
     mix (at the next step):            others += Σ_{j≠i} w_ij D(q_j);  x_i += γ (others − (1 − w_ii) x̂_i^r)
 
-D(q) is decoded from the message itself, on the sender too, so every holder of x̂_i^r adds the same values. With a
+D(q) is decoded from the message itself, on the sender too, so every holder of x̂_i^r adds the same values
+(``others`` adds them weighted, so it equals the weighted sum of the members' ``own`` up to round-off). With a
 symmetric W the mixing terms of a group cancel (Σ_i Σ_{j≠i} w_ij (x̂_j − x̂_i) = 0): the mean of the parameters is
-preserved whatever Q does, and what is compressed is the difference to the public copy, which shrinks with the
-update. Time-varying topologies (ring's alternating pairs, one-peer-exp) are why the copies are per round: a worker
-only talks to its round-r peers in round r, so those are the only holders of its round-r copy to keep in step.
+preserved, to round-off, whatever Q does, and what is compressed is the difference to the public copy, which shrinks
+with the update. Time-varying topologies (ring's alternating pairs, one-peer-exp) are why the copies are per round: a
+worker only talks to its round-r peers in round r, so those are the only holders of its round-r copy to keep in step.
 
-Memory per bucket: two copies per round of the period in which the worker has a group (ring: 2 rounds, 4 copies;
-one-peer-exp on n workers: 2 log2(n); complete: 2), plus one scratch buffer and the messages.
+Memory per bucket: two copies per (round, stage) of the period in which the worker has a group (ring: 2 rounds, 4
+copies; one-peer-exp on n workers: 2 log2(n); complete: 2), plus one scratch buffer and the messages; no float buffer
+to receive into (the engine allocates none when compressing).
 """
 
 from __future__ import annotations
@@ -128,10 +130,14 @@ class Int8Compressor:
         amax = torch.maximum(rows.amax(1), rows.amin(1).neg_())  # 9x faster on a CPU than vector_norm(inf)
         scales.copy_(amax / self.LEVELS)  # the wire's float32 scale: both ends decode with exactly this value
         scale = scales.to(scratch.dtype).unsqueeze(1)
-        # |d| / scale <= 127 (1 + 2^-23) < 127.5: rounding lands in [-127, 127] without a clamp (one pass fewer)
-        rows.div_(torch.where(scale > 0, scale, torch.ones_like(scale))).round_()
+        self._round_(rows.div_(torch.where(scale > 0, scale, torch.ones_like(scale))))
         levels.copy_(rows)
         rows.mul_(scale)  # the rounded levels times the scale: what a receiver decodes
+
+    def _round_(self, rows: Tensor) -> None:
+        """Values in units of their block's scale to integer levels, in place: to nearest. |d| / scale <= 127
+        (1 + 2^-23) < 127.5, so the levels land in [-127, 127] without a clamp (one pass fewer)."""
+        rows.round_()
 
     def decode(self, message: Tensor, scratch: Tensor) -> None:
         levels, scales = self._split(message, scratch.numel())
@@ -158,10 +164,13 @@ def make_compressor(spec: str | Compressor | None, int8_block: int = 256) -> Com
 
 @dataclass
 class _RoundCopies:
-    """Round r's public copies: this worker's (``own``) and the weighted sum of its group's others'."""
+    """A (round, stage)'s public copies: this worker's (``own``) and the weighted sum of its group's others', with the
+    group's weights (``own_weight`` = w_ii, ``neighbor_weight`` = w_ij)."""
 
     own: Tensor
     others: Tensor
+    own_weight: float
+    neighbor_weight: float
 
 
 @dataclass
@@ -176,30 +185,33 @@ class CompressedGossip:
     copies: dict[tuple[int, int], _RoundCopies] = field(default_factory=dict)  # by (round, stage) of the period
 
     @classmethod
-    def create(cls, compressor: Compressor, flat: Tensor, group_sizes: dict[tuple[int, int], int]) -> CompressedGossip:
-        """State for ``flat`` with a copy pair for each (round, stage) in ``group_sizes`` (its group size for this
-        worker; stages it is alone in left out); set the copies with :meth:`reset` before the first exchange."""
+    def create(cls, compressor: Compressor, flat: Tensor, groups: dict[tuple[int, int], Edge]) -> CompressedGossip:
+        """State for ``flat`` with a copy pair for each (round, stage) in ``groups`` (this worker's group there;
+        stages it is alone in left out); set the copies with :meth:`reset` before the first exchange."""
         numel = flat.numel()
         message = compressor.message_bytes(numel)
-        slots = max((1 if m == 2 else m for m in group_sizes.values()), default=1)
+        slots = max((1 if e.size == 2 else e.size for e in groups.values()), default=1)
         return cls(
             compressor,
             numel,
             scratch=torch.zeros(compressor.padded_numel(numel), dtype=flat.dtype, device=flat.device),
             outgoing=torch.zeros(message, dtype=torch.uint8, device=flat.device),
             incoming=[torch.zeros(message, dtype=torch.uint8, device=flat.device) for _ in range(slots)],
-            copies={r: _RoundCopies(flat.clone(), torch.empty_like(flat)) for r in group_sizes},
+            copies={
+                key: _RoundCopies(torch.empty_like(flat), torch.empty_like(flat), edge.weight, edge.neighbor_weight)
+                for key, edge in groups.items()
+            },
         )
 
-    def reset(self, value: Tensor | None, own_weights: dict[tuple[int, int], float]) -> None:
+    def reset(self, value: Tensor | None) -> None:
         """Every copy to ``value`` (equal on every worker) or to zero: the copies stay consistent across workers."""
-        for r, copies in self.copies.items():
+        for copies in self.copies.values():
             if value is None:
                 copies.own.zero_()
                 copies.others.zero_()
             else:
                 copies.own.copy_(value)
-                torch.mul(value, 1.0 - own_weights[r], out=copies.others)
+                torch.mul(value, 1.0 - copies.own_weight, out=copies.others)
 
     def encode(self, x: Tensor, key: tuple[int, int]) -> Tensor:
         """q = Q(x − x̂) into the outgoing message, x̂ += D(q); the message to send."""
@@ -210,16 +222,15 @@ class CompressedGossip:
         copies.own.add_(difference)
         return self.outgoing
 
-    def mix(self, x: Tensor, out: Tensor, key: tuple[int, int], received: list[Tensor], neighbor_weight: float,
-            own_weight: float, step: float) -> None:
-        """others += w D(q_j) for each received message, then out = x + step (others − (1 − w_ii) x̂) (``out`` may be
-        ``x``)."""
+    def mix(self, x: Tensor, out: Tensor, key: tuple[int, int], received: list[Tensor], step: float) -> None:
+        """others += w_ij D(q_j) for each received message, then out = x + step (others − (1 − w_ii) x̂) (``out`` may
+        be ``x``)."""
         copies = self.copies[key]
         difference = self.scratch[: self.numel]
         for message in received:
             self.compressor.decode(message, self.scratch)
-            copies.others.add_(difference, alpha=neighbor_weight)
-        torch.add(x, copies.others, alpha=step, out=out).add_(copies.own, alpha=-step * (1.0 - own_weight))
+            copies.others.add_(difference, alpha=copies.neighbor_weight)
+        torch.add(x, copies.others, alpha=step, out=out).add_(copies.own, alpha=-step * (1.0 - copies.own_weight))
 
     def state(self) -> dict[str, Any]:
         return {"copies": {r: (c.own.clone(), c.others.clone()) for r, c in self.copies.items()}}
@@ -233,7 +244,7 @@ class CompressedGossip:
 @dataclass(kw_only=True)
 class ExchangeBuffers:
     """A bucket's memory for its exchanges. ``flat`` holds the values exchanged (the parameters'), ``comm`` receives
-    the neighbours' values (a pair's) or their sum (a group's); ``staged`` (rounds of several stages, allocated when
+    the neighbours' values (a pair's) or their sum (a group's), and is empty with compression; ``staged`` (rounds of several stages, allocated when
     first needed) holds the result of the stages done so far; ``compressed``, with compression, the public copies.
 
     ``comm_anchor`` is a view that keeps a second reference to ``comm`` (``flat`` has the parameters' views): gloo's
@@ -334,8 +345,7 @@ class Exchanger:
             return value
         out = bucket.staging()
         if bucket.compressed is not None:
-            bucket.compressed.mix(value, out, key, self.received(bucket, edge), edge.neighbor_weight, edge.weight,
-                                  self.consensus_step)
+            bucket.compressed.mix(value, out, key, self.received(bucket, edge), self.consensus_step)
             return out
         own, other = self.coefficients(edge)
         if value is out:

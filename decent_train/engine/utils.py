@@ -108,9 +108,9 @@ class PairPoster:
     Why: gloo's TCP transport writes a send on the calling thread for as long as the socket takes more
     (``Pair::write``), and on loopback or a fast link that is most of the message: 3-23 ms of the training thread per
     step for a 25 MB model in 4 MB buckets on 2 shared cores (scripts/BENCHMARKS.md, "Fast links"). Posted from
-    another thread, the copy into the socket overlaps computation (c10d releases the GIL while it sends). The batches are posted in the order given, so
-    each peer still sees a bucket's messages in order. CUDA tensors are posted inline: NCCL's posting is
-    asynchronous already.
+    another thread, the copy into the socket overlaps computation (c10d releases the GIL while it sends). The batches
+    are posted in the order given, so each peer still sees a bucket's messages in order. CUDA tensors are posted
+    inline: NCCL's posting is asynchronous already.
     """
 
     def __init__(self) -> None:
