@@ -52,6 +52,9 @@ class TopologyConfig:
                 raise ValueError(f"topology.module={self.module!r} cannot be imported: {error}") from None
 
 
+COPY_DTYPES = {"param": None, "bf16": torch.bfloat16}
+
+
 @dataclass
 class CompressionConfig:
     """``conf/compression/*.yaml``: what gossip sends (engine/exchange.py). ``none`` sends the parameters; ``bf16``
@@ -60,6 +63,7 @@ class CompressionConfig:
     name: str = "none"  # none | bf16 | int8
     consensus_step: float = 1.0  # the step toward the neighbours' public copies (CHOCO's gamma), in (0, 1]
     int8_block: int = 256  # int8: elements per float32 scale
+    copy_dtype: str = "param"  # a pair's public copies: param (the parameters' dtype) | bf16 (half the memory)
 
     def check(self) -> None:
         if self.name not in ("none", *COMPRESSORS):
@@ -68,12 +72,18 @@ class CompressionConfig:
             raise ValueError(f"compression.consensus_step={self.consensus_step} must be in (0, 1]")
         if self.int8_block < 4 or self.int8_block % 4:
             raise ValueError(f"compression.int8_block={self.int8_block} must be a positive multiple of 4")
+        if self.copy_dtype not in COPY_DTYPES:
+            raise ValueError(f"compression.copy_dtype={self.copy_dtype!r}; valid: {', '.join(COPY_DTYPES)}")
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The engine's ``compression`` and ``consensus_step`` arguments."""
         if self.name == "none":
             return {}
-        return {"compression": make_compressor(self.name, self.int8_block), "consensus_step": self.consensus_step}
+        return {
+            "compression": make_compressor(self.name, self.int8_block),
+            "consensus_step": self.consensus_step,
+            "public_copy_dtype": COPY_DTYPES[self.copy_dtype],
+        }
 
 
 @dataclass

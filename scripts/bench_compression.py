@@ -71,7 +71,7 @@ def gossip(compressor: Compressor | None, workers: int, numel: int, steps: int) 
                 xs[i] = xs[j] = (xs[i] + xs[j]) / 2
         return consensus(xs) / start
     pair = Edge([0, 1])  # weight 1/2 each: the copies depend on the group's size and weights only
-    states = [CompressedGossip.create(compressor, xs[i], {(r, 0): pair for r in range(2)}) for i in range(workers)]
+    states = [CompressedGossip.create(compressor, xs[i], {(r, 0): pair for r in range(2)}, None) for i in range(workers)]
     for state in states:
         state.reset(None)
     for step in range(steps):
@@ -87,7 +87,7 @@ def gossip(compressor: Compressor | None, workers: int, numel: int, steps: int) 
 def seconds_per_million(compressor: Compressor, numel: int, repeats: int = 10) -> tuple[float, float]:
     """(encode, decode and add) seconds per million elements on one thread."""
     x = torch.randn(numel)
-    state = CompressedGossip.create(compressor, x, {(0, 0): Edge([0, 1])})
+    state = CompressedGossip.create(compressor, x, {(0, 0): Edge([0, 1])}, None)
     state.reset(None)
     message = state.encode(x, (0, 0)).clone()
     start = time.perf_counter()

@@ -231,6 +231,7 @@ ACCURACY_JOBS = {
     "ring": ["topology=ring"],
     "ring-bf16": ["topology=ring", "compression=bf16"],
     "ring-int8": ["topology=ring", "compression=int8"],
+    "ring-int8-bf16-copies": ["topology=ring", "compression=int8", "compression.copy_dtype=bf16"],
 }
 # A model big enough that communication matters (4.3M parameters, 17 MB) on data that ships with scikit-learn.
 ACCURACY_TRAIN = ["model=mlp", "model.hidden_sizes=[2048,2048]", "dataset=digits", "epochs=20", "eval_every=20",

@@ -212,15 +212,16 @@ def replay_compressed(
     model_fn: Callable[[int], nn.Module] = make_model,
     loss: Callable[[nn.Module, int, int, int], Tensor] = loss_fn,
     align: int = 32,
+    pair_copy_dtype: torch.dtype | None = None,
 ) -> list[dict[str, Tensor]]:
     """Each worker's parameters after ``steps`` steps of compressed gossip (CHOCO with public copies per round).
 
-    Worker i keeps, for every round r in which it has a group, its public copy own_i^r and others_i^r (the
-    W(r)-weighted sum of its group's copies), both starting from the common initial parameters. At step s >= 1 of
-    round r = s mod period, on each bucket's flat vector (parameters in ``buckets`` order, each padded with zeros to
-    a multiple of ``align`` elements, as the compressor sees them):
-        q_i = D(Q(x_i - own_i^r));  own_i^r += q_i;  others_i^r += sum_{j != i} W_ij q_j
-        x_i += consensus_step * (others_i^r - (1 - W_ii) own_i^r)
+    Worker i keeps, for every round r in which it has a group, its public copy c_i^r, starting from the common initial
+    parameters; its group's members know it exactly. At step s >= 1 of round r = s mod period, on each bucket's flat
+    vector (parameters in ``buckets`` order, each padded with zeros to a multiple of ``align`` elements, as the
+    compressor sees them):
+        q_i = D(Q(x_i - c_i^r));  c_i^r += q_i (stored in ``pair_copy_dtype`` in rounds where i has one peer)
+        x_i += consensus_step * (sum_{j != i} W_ij c_j^r - (1 - W_ii) c_i^r)
     then every worker steps its optimizer on the gradient taken before the mix. (At step 0 the exchange would carry
     zero differences: the workers start equal.)
     """
@@ -245,30 +246,28 @@ def replay_compressed(
             p.copy_(vector[offset : offset + p.numel()].view_as(p))
             offset += -(-p.numel() // align) * align
 
-    grouped = lambda r, i: matrices[r][i, i] < 1  # noqa: E731
+    members = lambda r, i: [j for j in range(n) if matrices[r][i, j] > 0]  # noqa: E731
+    stored = lambda r, i, v: v.to(pair_copy_dtype) if pair_copy_dtype and len(members(r, i)) == 2 else v  # noqa: E731
     copies = {
-        (i, r, b): [flat(i, names), flat(i, names) * (1 - matrices[r][i, i])]
-        for i in range(n) for r in range(period) for b, names in enumerate(buckets) if grouped(r, i)
+        (i, r, b): stored(r, i, flat(i, names))
+        for i in range(n) for r in range(period) for b, names in enumerate(buckets) if len(members(r, i)) > 1
     }
     for s in range(steps):
         for i, m in enumerate(models):
             m.zero_grad(set_to_none=True)
             loss(m, i, s, 0).backward()
         if s >= 1:
-            r, w = s % period, matrices[s % period]
+            r, w = s % period, matrices[s % period].double()
             for b, names in enumerate(buckets):
                 xs = [flat(i, names) for i in range(n)]
-                q = {}
-                for i in range(n):
-                    if grouped(r, i):
-                        q[i] = round_trip(compressor, xs[i] - copies[i, r, b][0])
-                        copies[i, r, b][0] = copies[i, r, b][0] + q[i]
-                for i in range(n):
-                    if grouped(r, i):
-                        own, others = copies[i, r, b]
-                        others = others + sum(w[i, j] * q[j] for j in range(n) if j != i and w[i, j] > 0)
-                        copies[i, r, b][1] = others
-                        write(i, names, xs[i] + consensus_step * (others - (1 - w[i, i]) * own))
+                grouped = [i for i in range(n) if len(members(r, i)) > 1]
+                for i in grouped:
+                    held = copies[i, r, b].to(xs[i].dtype)
+                    copies[i, r, b] = stored(r, i, held + round_trip(compressor, xs[i] - held))
+                for i in grouped:
+                    c = {j: copies[j, r, b].to(xs[i].dtype) for j in members(r, i)}
+                    others = sum(float(w[i, j]) * c[j] for j in members(r, i) if j != i)
+                    write(i, names, xs[i] + consensus_step * (others - (1 - float(w[i, i])) * c[i]))
         for o in optimizers:
             o.step()
     return [snapshot(m) for m in models]

@@ -28,13 +28,14 @@ FROZEN = partial(optim_fn_sgd, lr=0.0, momentum=0.0, weight_decay=0.0)  # pure g
 
 
 def _gossip_perturbed(rank: int, world_size: int, topology: str, compression: str, steps: int,
-                      naive: bool = False, local_world_size: int = 1) -> dict[str, Any]:
+                      naive: bool = False, local_world_size: int = 1, **engine_kwargs: Any) -> dict[str, Any]:
     """Wrap, then move every worker's parameters by its own noise; ``steps`` steps of pure gossip."""
     from loguru import logger
 
     logger.remove()
     ddp = DecentralizedDataParallel(make_model(0), FROZEN, topology=topology, bucket_size_in_mb=0.0005,
-                                    compression=None if naive else compression, local_world_size=local_world_size)
+                                    compression=None if naive else compression, local_world_size=local_world_size,
+                                    **engine_kwargs)
     if naive:  # the receiver mixes Q(x_j) while the sender keeps x_j: a test helper, never an engine option
         compressor, mix = make_compressor(compression), ddp._mix
 
@@ -53,7 +54,14 @@ def _gossip_perturbed(rank: int, world_size: int, topology: str, compression: st
     for step in range(steps):
         x, y = batch(rank, step)
         ((ddp(x) - y) ** 2).mean().backward()
-    return {"start": start, "end": [p.detach().clone() for p in ddp.parameters()]}
+    in_flight = ddp._phase.round_of(ddp._step)  # its own copies moved at launch, its peer's at the next mix
+    pairs = {  # each settled pair round's peer and copies (own, others), by bucket
+        r: (next(j for j in stages[0].ranks if j != rank), [(b.compressed.copies[r, 0].own.clone(),
+                                                            b.compressed.copies[r, 0].others.clone())
+                                                           for b in ddp._buckets])
+        for r, stages in enumerate(ddp._phase.my_stages) if not naive and stages[0].size == 2 and r != in_flight
+    }
+    return {"start": start, "end": [p.detach().clone() for p in ddp.parameters()], "pairs": pairs}
 
 
 def _mean_shift_and_consensus(results: list[dict[str, Any]]) -> tuple[float, float]:
@@ -95,19 +103,48 @@ def test_naive_compression_of_the_parameters_moves_the_mean(compression: str) ->
     assert shift > 1e-6
 
 
-@pytest.mark.parametrize("compression", ["int8", "bf16"])
+@pytest.mark.parametrize("compression, copies", [("int8", None), ("bf16", None), ("int8", torch.bfloat16)])
 @pytest.mark.parametrize("topology, world_size", [("ring", 4), ("one-peer-exp", 8)])
-def test_every_worker_matches_the_compressed_replay(topology: str, world_size: int, compression: str) -> None:
+def test_every_worker_matches_the_compressed_replay(
+    topology: str, world_size: int, compression: str, copies: torch.dtype | None
+) -> None:
     steps, adam = 12, partial(optim_fn_adam, lr=0.01)
     engine = run_workers(train_engine, world_size, topology=topology, steps=steps, optim_fn=adam,
-                         compression=compression, consensus_step=0.8)
+                         compression=compression, consensus_step=0.8, public_copy_dtype=copies)
     buckets = engine[0]["buckets"]
     assert len(buckets) >= 3, "the test model must span several buckets"
     expected = replay_compressed(topology_for(topology, world_size), steps, make_compressor(compression), buckets,
-                                 optim_fn=adam, consensus_step=0.8)
+                                 optim_fn=adam, consensus_step=0.8, pair_copy_dtype=copies)
     assert max_deviation(engine, expected) <= 1e-12
+    if copies is not None:
+        full = replay_compressed(topology_for(topology, world_size), steps, make_compressor(compression), buckets,
+                                 optim_fn=adam, consensus_step=0.8)
+        assert max_deviation(engine, full) > 1e-9, "the replay tells bfloat16 copies from float64 ones"
     uncompressed = run_workers(train_engine, world_size, topology=topology, steps=steps, optim_fn=adam)
     assert max_deviation(uncompressed, expected) > 1e-9, "the replay tells compressed from plain gossip"
+
+
+@pytest.mark.parametrize("topology", ["ring", "one-peer-exp"])
+def test_bfloat16_public_copies_keep_the_mean_and_are_identical_at_both_ends(topology: str) -> None:
+    """``public_copy_dtype=torch.bfloat16``: half the copies' memory. Both ends of a pair hold the same copy bit for
+    bit, so the mean stays exact; the workers agree only to bfloat16's precision (the documented floor)."""
+    results = run_workers(_gossip_perturbed, 4, topology=topology, compression="int8", steps=150,
+                          public_copy_dtype=torch.bfloat16)
+    shift, consensus = _mean_shift_and_consensus(results)
+    assert shift <= 1e-12
+    assert all(result["pairs"] for result in results)
+    for result in results:
+        for r, (peer, copies) in result["pairs"].items():
+            theirs = results[peer]["pairs"][r][1]
+            for (own, others), (peer_own, peer_others) in zip(copies, theirs):
+                assert own.dtype == others.dtype == torch.bfloat16
+                assert torch.equal(own, peer_others) and torch.equal(others, peer_own)
+    size = math.sqrt(sum((p ** 2).sum().item() for r in results for p in r["end"]))
+    spread = consensus * math.sqrt(sum(((a - b) ** 2).sum().item() for r in results
+                                       for a, b in zip(r["start"], results[0]["start"])))
+    assert spread <= 2**-8 * size, "the workers agree to bfloat16's precision of the parameters"
+    full = run_workers(_gossip_perturbed, 4, topology=topology, compression="int8", steps=150)
+    assert _mean_shift_and_consensus(full)[1] < consensus, "float copies go further: the floor is bfloat16's"
 
 
 def _resume(rank: int, world_size: int, stop_at: int | None, steps: int, path: str) -> dict[str, torch.Tensor]:

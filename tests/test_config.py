@@ -104,6 +104,7 @@ def test_every_option_composes_and_checks(group: str, option: str, data_dirs: di
         ({"compression": {"name": "int4"}}, "compression='int4' is not a compression; valid: none, bf16, int8"),
         ({"compression": {"name": "int8", "consensus_step": 1.5}}, "compression.consensus_step=1.5 must be in (0, 1]"),
         ({"compression": {"name": "int8", "int8_block": 6}}, "compression.int8_block=6"),
+        ({"compression": {"name": "int8", "copy_dtype": "fp16"}}, "compression.copy_dtype='fp16'; valid: param, bf16"),
         ({"compression": {"name": "bf16"}, "algorithm": "allreduce"}, "compression=bf16 compresses gossip"),
     ],
 )

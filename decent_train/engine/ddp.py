@@ -205,6 +205,9 @@ class DecentralizedDataParallel(nn.Module):
             engine/exchange.py): ``"bf16"`` (half the bytes), ``"int8"`` (blockwise, 0.254x) or a compressor object;
             the workers' mean is preserved exactly. None sends float parameters. All-reduce mode is never compressed.
         consensus_step: with compression, the step toward the neighbours' public copies (CHOCO's gamma, in (0, 1]).
+        public_copy_dtype: with compression, the dtype of a pair's public copies (None: the parameters'):
+            ``torch.bfloat16`` halves their memory (time-varying topologies keep two per round of the period); the
+            mean stays exact, but the workers then agree only to bfloat16's precision (engine/exchange.py).
     """
 
     FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -227,6 +230,7 @@ class DecentralizedDataParallel(nn.Module):
         message_size_in_mb: float = 0,
         compression: str | Compressor | None = None,
         consensus_step: float = 1.0,
+        public_copy_dtype: torch.dtype | None = None,
     ):
         super().__init__()
         if grad_clip_norm < 0:
@@ -241,7 +245,13 @@ class DecentralizedDataParallel(nn.Module):
             raise ValueError(f"message_size_in_mb must be >= 0 (0: one message per bucket), got {message_size_in_mb}")
         if not 0.0 < consensus_step <= 1.0:
             raise ValueError(f"consensus_step must be in (0, 1], got {consensus_step}")
+        if public_copy_dtype is not None and (compression is None or not public_copy_dtype.is_floating_point):
+            raise ValueError(
+                f"public_copy_dtype={public_copy_dtype} needs compression and a floating-point dtype (e.g. "
+                "torch.bfloat16)"
+            )
         self._compressor = make_compressor(compression)
+        self._public_copy_dtype = public_copy_dtype
         self._consensus_step = float(consensus_step)
         self._message_bytes = max(1, int(message_size_in_mb * 2**20)) if message_size_in_mb else 0
         self._global_avg_every = int(global_avg_every)
@@ -361,7 +371,7 @@ class DecentralizedDataParallel(nn.Module):
             if edge.size > 1
         }
         for bucket in self._buckets:
-            bucket.compressed = CompressedGossip.create(self._compressor, bucket.flat, groups)
+            bucket.compressed = CompressedGossip.create(self._compressor, bucket.flat, groups, self._public_copy_dtype)
         self._reset_compression(identical)
 
     def _reset_compression(self, identical: bool) -> None:

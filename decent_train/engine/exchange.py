@@ -12,22 +12,27 @@ Compressed gossip: CHOCO-style difference compression with a reference per round
 Why differences: averaging compressed copies of the parameters (send Q(x_j), mix it in) moves the workers' mean by
 the compression error of |x| at every step, forever. Here each worker i keeps, for each round r (and stage) of the
 topology's period, a public copy ``own`` = x̂_i^r of its parameters that every member of its round-r group tracks,
-and ``others`` = Σ_{j≠i} w_ij x̂_j^r, the weighted copies of the other members (Koloskova et al. 2019, CHOCO-SGD, with
-the two-buffer form of EPFL's implementation). Round r's exchange of bucket b:
+and ``others``: a pair's peer's copy x̂_j^r, or a group's weighted sum Σ_{j≠i} w_ij x̂_j^r (Koloskova et al. 2019,
+CHOCO-SGD, with the two-buffer form of EPFL's implementation). Round r's exchange of bucket b:
 
     launch (after the bucket's step):  q_i = Q(x_i − x̂_i^r);  x̂_i^r += D(q_i);  send q_i to the group
-    mix (at the next step):            others += Σ_{j≠i} w_ij D(q_j);  x_i += γ (others − (1 − w_ii) x̂_i^r)
+    mix (at the next step):            pair:  x̂_j^r += D(q_j);            x_i += γ w_ij (x̂_j^r − x̂_i^r)
+                                       group: others += Σ_{j≠i} w_ij D(q_j);  x_i += γ (others − (1 − w_ii) x̂_i^r)
 
-D(q) is decoded from the message itself, on the sender too, so every holder of x̂_i^r adds the same values
-(``others`` adds them weighted, so it equals the weighted sum of the members' ``own`` up to round-off). With a
-symmetric W the mixing terms of a group cancel (Σ_i Σ_{j≠i} w_ij (x̂_j − x̂_i) = 0): the mean of the parameters is
-preserved, to round-off, whatever Q does, and what is compressed is the difference to the public copy, which shrinks
-with the update. Time-varying topologies (ring's alternating pairs, one-peer-exp) are why the copies are per round: a
-worker only talks to its round-r peers in round r, so those are the only holders of its round-r copy to keep in step.
+D(q) is decoded from the message itself, on the sender too, so every holder of x̂_i^r adds the same values: a pair's
+copies are bit-identical at both ends, a group's weighted sum equals the members' weighted copies up to round-off.
+With a symmetric W the mixing terms of a group cancel (Σ_i Σ_{j≠i} w_ij (x̂_j − x̂_i) = 0): the mean of the
+parameters is preserved, to round-off, whatever Q does, and what is compressed is the difference to the public copy,
+which shrinks with the update. Time-varying topologies (ring's alternating pairs, one-peer-exp) are why the copies are
+per round: a worker only talks to its round-r peers in round r, so those are the only holders of its round-r copy.
 
 Memory per bucket: two copies per (round, stage) of the period in which the worker has a group (ring: 2 rounds, 4
 copies; one-peer-exp on n workers: 2 log2(n); complete: 2), plus one scratch buffer and the messages; no float buffer
-to receive into (the engine allocates none when compressing).
+to receive into (the engine allocates none when compressing). ``copy_dtype=torch.bfloat16`` halves the pairs' copies:
+both ends round x̂ + D(q) to bfloat16 with the same operation on the same values, so the copies stay bit-identical and
+the mean exact; but a copy then follows x only to bfloat16's precision (2^-9 relative), which bounds how close the
+workers get (the consensus distance stalls near 2^-9 |x| instead of vanishing). A group's weighted sum is not one
+member's copy, so it stays in the parameters' dtype.
 """
 
 from __future__ import annotations
@@ -164,13 +169,23 @@ def make_compressor(spec: str | Compressor | None, int8_block: int = 256) -> Com
 
 @dataclass
 class _RoundCopies:
-    """A (round, stage)'s public copies: this worker's (``own``) and the weighted sum of its group's others', with the
-    group's weights (``own_weight`` = w_ii, ``neighbor_weight`` = w_ij)."""
+    """A (round, stage)'s public copies: this worker's (``own``) and ``others``: a pair's peer's copy (``track`` = 1,
+    ``pull`` = w_ij) or a group's weighted sum of its others' (``track`` = w_ij, ``pull`` = 1); ``own_weight`` = w_ii.
+    The mix steps toward ``pull * others - (1 - own_weight) * own``."""
 
     own: Tensor
     others: Tensor
     own_weight: float
-    neighbor_weight: float
+    track: float
+    pull: float
+
+    @classmethod
+    def for_edge(cls, flat: Tensor, edge: Edge, copy_dtype: torch.dtype | None) -> _RoundCopies:
+        if edge.size == 2:
+            dtype = copy_dtype or flat.dtype
+            return cls(flat.new_empty(flat.shape, dtype=dtype), flat.new_empty(flat.shape, dtype=dtype), edge.weight,
+                       track=1.0, pull=1.0 - edge.weight)
+        return cls(torch.empty_like(flat), torch.empty_like(flat), edge.weight, track=edge.neighbor_weight, pull=1.0)
 
 
 @dataclass
@@ -185,9 +200,12 @@ class CompressedGossip:
     copies: dict[tuple[int, int], _RoundCopies] = field(default_factory=dict)  # by (round, stage) of the period
 
     @classmethod
-    def create(cls, compressor: Compressor, flat: Tensor, groups: dict[tuple[int, int], Edge]) -> CompressedGossip:
+    def create(
+        cls, compressor: Compressor, flat: Tensor, groups: dict[tuple[int, int], Edge], copy_dtype: torch.dtype | None
+    ) -> CompressedGossip:
         """State for ``flat`` with a copy pair for each (round, stage) in ``groups`` (this worker's group there;
-        stages it is alone in left out); set the copies with :meth:`reset` before the first exchange."""
+        stages it is alone in left out), a pair's in ``copy_dtype`` (None: ``flat``'s); set the copies with
+        :meth:`reset` before the first exchange."""
         numel = flat.numel()
         message = compressor.message_bytes(numel)
         slots = max((1 if e.size == 2 else e.size for e in groups.values()), default=1)
@@ -197,10 +215,7 @@ class CompressedGossip:
             scratch=torch.zeros(compressor.padded_numel(numel), dtype=flat.dtype, device=flat.device),
             outgoing=torch.zeros(message, dtype=torch.uint8, device=flat.device),
             incoming=[torch.zeros(message, dtype=torch.uint8, device=flat.device) for _ in range(slots)],
-            copies={
-                key: _RoundCopies(torch.empty_like(flat), torch.empty_like(flat), edge.weight, edge.neighbor_weight)
-                for key, edge in groups.items()
-            },
+            copies={key: _RoundCopies.for_edge(flat, edge, copy_dtype) for key, edge in groups.items()},
         )
 
     def reset(self, value: Tensor | None) -> None:
@@ -210,8 +225,8 @@ class CompressedGossip:
                 copies.own.zero_()
                 copies.others.zero_()
             else:
-                copies.own.copy_(value)
-                torch.mul(value, 1.0 - copies.own_weight, out=copies.others)
+                copies.own.copy_(value)  # and others such that the mix's step, pull * others − (1 − w_ii) own, is 0
+                torch.mul(value, (1.0 - copies.own_weight) / copies.pull, out=copies.others)
 
     def encode(self, x: Tensor, key: tuple[int, int]) -> Tensor:
         """q = Q(x − x̂) into the outgoing message, x̂ += D(q); the message to send."""
@@ -223,14 +238,15 @@ class CompressedGossip:
         return self.outgoing
 
     def mix(self, x: Tensor, out: Tensor, key: tuple[int, int], received: list[Tensor], step: float) -> None:
-        """others += w_ij D(q_j) for each received message, then out = x + step (others − (1 − w_ii) x̂) (``out`` may
-        be ``x``)."""
+        """others += track * D(q_j) for each received message, then out = x + step (pull * others − (1 − w_ii) x̂)
+        (``out`` may be ``x``)."""
         copies = self.copies[key]
         difference = self.scratch[: self.numel]
         for message in received:
             self.compressor.decode(message, self.scratch)
-            copies.others.add_(difference, alpha=copies.neighbor_weight)
-        torch.add(x, copies.others, alpha=step, out=out).add_(copies.own, alpha=-step * (1.0 - copies.own_weight))
+            copies.others.add_(difference, alpha=copies.track)
+        torch.add(x, copies.others, alpha=step * copies.pull, out=out)
+        out.add_(copies.own, alpha=-step * (1.0 - copies.own_weight))
 
     def state(self) -> dict[str, Any]:
         return {"copies": {r: (c.own.clone(), c.others.clone()) for r, c in self.copies.items()}}
