@@ -70,33 +70,33 @@ def gossip(compressor: Compressor | None, workers: int, numel: int, steps: int) 
             for i, j in ring_pairs(step, workers):
                 xs[i] = xs[j] = (xs[i] + xs[j]) / 2
         return consensus(xs) / start
-    pair = Edge([0, 1])  # weight 1/2 each: the copies depend on the group's size and weights only
-    states = [CompressedGossip.create(compressor, xs[i], {(r, 0): pair for r in range(2)}, None) for i in range(workers)]
+    edges = [{i: Edge(list(p)) for p in ring_pairs(r, workers) for i in p} for r in range(2)]  # by round, worker
+    states = [CompressedGossip.create(compressor, xs[i], [edges[r][i] for r in range(2)], None) for i in range(workers)]
     for state in states:
         state.reset(None)
     for step in range(steps):
-        pairs = ring_pairs(step, workers)
-        key = (step % 2, 0)
-        messages = [states[i].encode(xs[i], key).clone() for i in range(workers)]
+        pairs, edge = ring_pairs(step, workers), edges[step % 2]
+        messages = [states[i].encode(xs[i], edge[i]).clone() for i in range(workers)]
         for i, j in pairs:
             for me, peer in ((i, j), (j, i)):
-                states[me].mix(xs[me], xs[me], key, [messages[peer]], 1.0)
+                states[me].mix(xs[me], xs[me], edge[me], [messages[peer]], 1.0)
     return consensus(xs) / start
 
 
 def seconds_per_million(compressor: Compressor, numel: int, repeats: int = 10) -> tuple[float, float]:
     """(encode, decode and add) seconds per million elements on one thread."""
     x = torch.randn(numel)
-    state = CompressedGossip.create(compressor, x, {(0, 0): Edge([0, 1])}, None)
+    pair = Edge([0, 1])
+    state = CompressedGossip.create(compressor, x, [pair], None)
     state.reset(None)
-    message = state.encode(x, (0, 0)).clone()
+    message = state.encode(x, pair).clone()
     start = time.perf_counter()
     for _ in range(repeats):
-        state.encode(x, (0, 0))
+        state.encode(x, pair)
     encode = (time.perf_counter() - start) / repeats
     start = time.perf_counter()
     for _ in range(repeats):
-        state.mix(x, x, (0, 0), [message], 0.0)
+        state.mix(x, x, pair, [message], 0.0)
     mix = (time.perf_counter() - start) / repeats
     return encode * 1e6 / numel, mix * 1e6 / numel
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from decent_train import DecentralizedDataParallel, optim_fn_adam, optim_fn_sgd
-from decent_train.engine.exchange import BFloat16Compressor, Int8Compressor, make_compressor
+from decent_train.engine.exchange import BFloat16Compressor, CompressedGossip, Int8Compressor, make_compressor
 from tests.distributed import run_workers
 from tests.replay import (
     batch,
@@ -55,12 +55,12 @@ def _gossip_perturbed(rank: int, world_size: int, topology: str, compression: st
         x, y = batch(rank, step)
         ((ddp(x) - y) ** 2).mean().backward()
     in_flight = ddp._phase.round_of(ddp._step)  # its own copies moved at launch, its peer's at the next mix
-    pairs = {  # each settled pair round's peer and copies (own, others), by bucket
-        r: (next(j for j in stages[0].ranks if j != rank), [(b.compressed.copies[r, 0].own.clone(),
-                                                            b.compressed.copies[r, 0].others.clone())
-                                                           for b in ddp._buckets])
-        for r, stages in enumerate(ddp._phase.my_stages) if not naive and stages[0].size == 2 and r != in_flight
-    }
+    pairs = {}  # each settled pair round's peer and copies (own, others), by bucket
+    for r, stages in enumerate(ddp._phase.my_stages):
+        if not naive and stages[0].size == 2 and r != in_flight:
+            held = [b.compressed.copies[CompressedGossip.key(stages[0])] for b in ddp._buckets]
+            peer = next(j for j in stages[0].ranks if j != rank)
+            pairs[r] = (peer, [(c.own.clone(), c.others.clone()) for c in held])
     return {"start": start, "end": [p.detach().clone() for p in ddp.parameters()], "pairs": pairs}
 
 
@@ -272,3 +272,33 @@ def test_switches_and_global_averages_keep_the_copies_consistent(compression: st
     assert shift <= 1e-12 and consensus < 1e-4  # one-peer-exp from copies reset to the average
     shift, _ = _mean_shift_and_consensus([{"start": r["restart"], "end": r["end"]} for r in results])
     assert shift <= 1e-12  # through the all-reduce phase and complete's fresh copies too
+
+
+def _copy_bytes(rank: int, world_size: int, topology: str, local_world_size: int, dtype: torch.dtype | None) -> float:
+    """The public copies' bytes per byte of parameters."""
+    from loguru import logger
+
+    logger.remove()
+    ddp = DecentralizedDataParallel(make_model(0), FROZEN, topology=topology, compression="int8",
+                                    local_world_size=local_world_size, public_copy_dtype=dtype)
+    held = sum(t.numel() * t.element_size() for b in ddp._buckets for c in b.compressed.copies.values()
+               for t in (c.own, c.others))
+    return held / sum(b.flat.numel() * b.flat.element_size() for b in ddp._buckets)
+
+
+@pytest.mark.parametrize(
+    "topology, world_size, local_world_size, dtype, copies",
+    [
+        ("ring", 4, 1, None, 4),  # two pairs: two copies each
+        ("ring", 3, 1, None, 2),  # the triple of both rounds: one pair of copies
+        ("hierarchical", 8, 2, None, 6),  # a pair in each of the two rounds, and the node's pair in both
+        ("ring", 4, 1, torch.bfloat16, 1),  # bfloat16 copies of float64 parameters: a quarter each
+        ("hierarchical", 8, 4, torch.bfloat16, 2.5),  # a bfloat16 pair; the node's group of 4 in float64
+    ],
+)
+def test_public_copies_cost_two_per_distinct_group(
+    topology: str, world_size: int, local_world_size: int, dtype: torch.dtype | None, copies: float
+) -> None:
+    """The memory the docs state: two copies per distinct group a worker is in, a pair's in ``public_copy_dtype``."""
+    assert run_workers(_copy_bytes, world_size, topology=topology, local_world_size=local_world_size,
+                       dtype=dtype) == [copies] * world_size

@@ -113,7 +113,7 @@ class _Exchange:
     async_stage: int
     value: Tensor
     works: list[Any]
-    round_: int = 0  # the round of the period: with its stage, the key of compressed exchanges' copies
+    round_: int = 0  # the round of the period
 
 
 @dataclass(kw_only=True)
@@ -364,12 +364,7 @@ class DecentralizedDataParallel(nn.Module):
                 logger.info("DecentralizedDataParallel: all-reduce mode averages full-precision gradients "
                             f"({self._compressor.name} compression applies to gossip)")
             return
-        groups = {  # this worker's groups by (round, stage): each has public copies of its own
-            (r, k): edge
-            for r, stages in enumerate(self._phase.my_stages)
-            for k, edge in enumerate(stages)
-            if edge.size > 1
-        }
+        groups = [edge for stages in self._phase.my_stages for edge in stages if edge.size > 1]  # each: its copies
         for bucket in self._buckets:
             bucket.compressed = CompressedGossip.create(self._compressor, bucket.flat, groups, self._public_copy_dtype)
         self._reset_compression(identical)
@@ -634,10 +629,10 @@ class DecentralizedDataParallel(nn.Module):
             torch._foreach_copy_(bucket.views, [p.data for p in bucket.params])
         value = bucket.flat
         for k, edge in enumerate(stages[:async_stage]):
-            works = self._exchanger.start(bucket, edge, value, (round_, k))
+            works = self._exchanger.start(bucket, edge, value)
             self._wait_works(works, bucket, edge.ranks, "exchange")
-            value = self._exchanger.finish(bucket, edge, value, (round_, k))
-        works = self._exchanger.start(bucket, stages[async_stage], value, (round_, async_stage))
+            value = self._exchanger.finish(bucket, edge, value)
+        works = self._exchanger.start(bucket, stages[async_stage], value)
         bucket.pending = _Exchange(stages, async_stage, value, works, round_)
 
     def _mix_compressed(self, bucket: _Bucket, exchange: _Exchange) -> None:
@@ -648,13 +643,13 @@ class DecentralizedDataParallel(nn.Module):
         if len(stages) == 1:
             edge, step = stages[0], self._consensus_step * self._adaptive_factor
             received = self._exchanger.received(bucket, edge)
-            bucket.compressed.mix(value, value, (round_, 0), received, step)
+            bucket.compressed.mix(value, value, edge, received, step)
         else:
             for j in range(k, len(stages)):
                 if j > k:
-                    works = self._exchanger.start(bucket, stages[j], value, (round_, j))
+                    works = self._exchanger.start(bucket, stages[j], value)
                     self._wait_works(works, bucket, stages[j].ranks, "exchange")
-                value = self._exchanger.finish(bucket, stages[j], value, (round_, j))
+                value = self._exchanger.finish(bucket, stages[j], value)
             if value is not bucket.flat:
                 bucket.flat.lerp_(value, self._adaptive_factor)
         if not self._param_as_bucket_view:
@@ -687,8 +682,8 @@ class DecentralizedDataParallel(nn.Module):
         stages, k, value = exchange.stages, exchange.async_stage, exchange.value
         alpha, edge = self._adaptive_factor, stages[k]
         for edge in stages[k + 1 :]:  # the stages after the one in flight: first finish that, then run each
-            value = self._exchanger.finish(bucket, stages[k], value, (exchange.round_, k))
-            works = self._exchanger.start(bucket, edge, value, (exchange.round_, k + 1))
+            value = self._exchanger.finish(bucket, stages[k], value)
+            works = self._exchanger.start(bucket, edge, value)
             self._wait_works(works, bucket, edge.ranks, "exchange")
             k += 1
         own, other = Exchanger.coefficients(edge)  # x_new = (1-alpha) x + alpha (own value + other comm)

@@ -24,11 +24,13 @@ copies are bit-identical at both ends, a group's weighted sum equals the members
 With a symmetric W the mixing terms of a group cancel (Σ_i Σ_{j≠i} w_ij (x̂_j − x̂_i) = 0): the mean of the
 parameters is preserved, to round-off, whatever Q does, and what is compressed is the difference to the public copy,
 which shrinks with the update. Time-varying topologies (ring's alternating pairs, one-peer-exp) are why the copies are
-per round: a worker only talks to its round-r peers in round r, so those are the only holders of its round-r copy.
+per group: a worker talks to its round-r peers only in round r, so they are the only holders of its copy for that
+group. A group that recurs (the same members and weights in several rounds or stages: an odd ring's triple, a
+hierarchical node's stage) keeps one pair of copies, updated whenever it meets.
 
-Memory per bucket: two copies per (round, stage) of the period in which the worker has a group (ring: 2 rounds, 4
-copies; one-peer-exp on n workers: 2 log2(n); complete: 2), plus one scratch buffer and the messages; no float buffer
-to receive into (the engine allocates none when compressing). ``copy_dtype=torch.bfloat16`` halves the pairs' copies:
+Memory per bucket: two copies per distinct group of the period that the worker is in (ring: 2 pairs, 4 copies;
+one-peer-exp on n workers: 2 log2(n); complete and ring-3: 2; hierarchical: 2 per pair round + 2 for the node), plus
+one scratch buffer and the messages; no float buffer to receive into (the engine allocates none when compressing). ``copy_dtype=torch.bfloat16`` halves the pairs' copies:
 both ends round x̂ + D(q) to bfloat16 with the same operation on the same values, so the copies stay bit-identical and
 the mean exact; but a copy then follows x only to bfloat16's precision (2^-9 relative), which bounds how close the
 workers get (the consensus distance stalls near 2^-9 |x| instead of vanishing). A group's weighted sum is not one
@@ -168,8 +170,8 @@ def make_compressor(spec: str | Compressor | None, int8_block: int = 256) -> Com
 
 
 @dataclass
-class _RoundCopies:
-    """A (round, stage)'s public copies: this worker's (``own``) and ``others``: a pair's peer's copy (``track`` = 1,
+class _GroupCopies:
+    """A group's public copies: this worker's (``own``) and ``others``: a pair's peer's copy (``track`` = 1,
     ``pull`` = w_ij) or a group's weighted sum of its others' (``track`` = w_ij, ``pull`` = 1); ``own_weight`` = w_ii.
     The mix steps toward ``pull * others - (1 - own_weight) * own``."""
 
@@ -180,7 +182,7 @@ class _RoundCopies:
     pull: float
 
     @classmethod
-    def for_edge(cls, flat: Tensor, edge: Edge, copy_dtype: torch.dtype | None) -> _RoundCopies:
+    def for_edge(cls, flat: Tensor, edge: Edge, copy_dtype: torch.dtype | None) -> _GroupCopies:
         if edge.size == 2:
             dtype = copy_dtype or flat.dtype
             return cls(flat.new_empty(flat.shape, dtype=dtype), flat.new_empty(flat.shape, dtype=dtype), edge.weight,
@@ -190,32 +192,37 @@ class _RoundCopies:
 
 @dataclass
 class CompressedGossip:
-    """One bucket's compressed exchange state: the copies of each round slot, a scratch buffer, the messages."""
+    """One bucket's compressed exchange state: the copies of each of its groups, a scratch buffer, the messages."""
 
     compressor: Compressor
     numel: int
     scratch: Tensor
     outgoing: Tensor
     incoming: list[Tensor]  # a pair's: one; a group of m: m (an all-gather's outputs, this worker's included)
-    copies: dict[tuple[int, int], _RoundCopies] = field(default_factory=dict)  # by (round, stage) of the period
+    copies: dict[tuple[tuple[int, ...], float], _GroupCopies] = field(default_factory=dict)  # by CompressedGossip.key
+
+    @staticmethod
+    def key(edge: Edge) -> tuple[tuple[int, ...], float]:
+        """A group's copies are found by its members and weight: a group that recurs keeps the same copies."""
+        return tuple(edge.ranks), float(edge.weight)
 
     @classmethod
     def create(
-        cls, compressor: Compressor, flat: Tensor, groups: dict[tuple[int, int], Edge], copy_dtype: torch.dtype | None
+        cls, compressor: Compressor, flat: Tensor, groups: list[Edge], copy_dtype: torch.dtype | None
     ) -> CompressedGossip:
-        """State for ``flat`` with a copy pair for each (round, stage) in ``groups`` (this worker's group there;
-        stages it is alone in left out), a pair's in ``copy_dtype`` (None: ``flat``'s); set the copies with
-        :meth:`reset` before the first exchange."""
+        """State for ``flat`` with a copy pair for each distinct group of ``groups`` (this worker's groups of two
+        or more), a pair's in ``copy_dtype`` (None: ``flat``'s); set the copies with :meth:`reset` before the first
+        exchange."""
         numel = flat.numel()
         message = compressor.message_bytes(numel)
-        slots = max((1 if e.size == 2 else e.size for e in groups.values()), default=1)
+        slots = max((1 if e.size == 2 else e.size for e in groups), default=1)
         return cls(
             compressor,
             numel,
             scratch=torch.zeros(compressor.padded_numel(numel), dtype=flat.dtype, device=flat.device),
             outgoing=torch.zeros(message, dtype=torch.uint8, device=flat.device),
             incoming=[torch.zeros(message, dtype=torch.uint8, device=flat.device) for _ in range(slots)],
-            copies={key: _RoundCopies.for_edge(flat, edge, copy_dtype) for key, edge in groups.items()},
+            copies={cls.key(edge): _GroupCopies.for_edge(flat, edge, copy_dtype) for edge in groups},
         )
 
     def reset(self, value: Tensor | None) -> None:
@@ -228,19 +235,19 @@ class CompressedGossip:
                 copies.own.copy_(value)  # and others such that the mix's step, pull * others − (1 − w_ii) own, is 0
                 torch.mul(value, (1.0 - copies.own_weight) / copies.pull, out=copies.others)
 
-    def encode(self, x: Tensor, key: tuple[int, int]) -> Tensor:
-        """q = Q(x − x̂) into the outgoing message, x̂ += D(q); the message to send."""
-        copies = self.copies[key]
+    def encode(self, x: Tensor, edge: Edge) -> Tensor:
+        """q = Q(x − x̂) into the outgoing message, x̂ += D(q) (``edge``'s copy); the message to send."""
+        copies = self.copies[self.key(edge)]
         difference = self.scratch[: self.numel]
         torch.sub(x, copies.own, out=difference)
         self.compressor.encode_(self.scratch, self.outgoing)
         copies.own.add_(difference)
         return self.outgoing
 
-    def mix(self, x: Tensor, out: Tensor, key: tuple[int, int], received: list[Tensor], step: float) -> None:
+    def mix(self, x: Tensor, out: Tensor, edge: Edge, received: list[Tensor], step: float) -> None:
         """others += track * D(q_j) for each received message, then out = x + step (pull * others − (1 − w_ii) x̂)
         (``out`` may be ``x``)."""
-        copies = self.copies[key]
+        copies = self.copies[self.key(edge)]
         difference = self.scratch[: self.numel]
         for message in received:
             self.compressor.decode(message, self.scratch)
@@ -249,12 +256,15 @@ class CompressedGossip:
         out.add_(copies.own, alpha=-step * (1.0 - copies.own_weight))
 
     def state(self) -> dict[str, Any]:
-        return {"copies": {r: (c.own.clone(), c.others.clone()) for r, c in self.copies.items()}}
+        return {"copies": {group: (c.own.clone(), c.others.clone()) for group, c in self.copies.items()}}
 
     def load(self, state: dict[str, Any]) -> None:
-        for r, (own, others) in state["copies"].items():
-            self.copies[r].own.copy_(own)
-            self.copies[r].others.copy_(others)
+        if set(state["copies"]) != set(self.copies):
+            raise ValueError(f"the saved public copies are for the groups {sorted(state['copies'])}, this worker's are "
+                             f"{sorted(self.copies)} (another topology, or a checkpoint from before copies per group)")
+        for group, (own, others) in state["copies"].items():
+            self.copies[group].own.copy_(own)
+            self.copies[group].others.copy_(others)
 
 
 @dataclass(kw_only=True)
@@ -292,13 +302,13 @@ class Exchanger:
         self.consensus_step = consensus_step
         self.pairs = PairPoster()
 
-    def start(self, bucket: ExchangeBuffers, edge: Edge, value: Tensor, key: tuple[int, int]) -> list[Any]:
+    def start(self, bucket: ExchangeBuffers, edge: Edge, value: Tensor) -> list[Any]:
         """Send ``value`` to the group; a pair receives the peer's value into ``comm``, a group the sum over it. With
-        compression, the compressed difference to the public copy of stage ``key`` (round, stage) instead."""
+        compression, the compressed difference to this worker's public copy for the group instead."""
         if edge.size == 1:
             return []
         if bucket.compressed is not None:
-            return self._start_compressed(bucket, edge, bucket.compressed.encode(value, key))
+            return self._start_compressed(bucket, edge, bucket.compressed.encode(value, edge))
         if edge.size == 2:
             peer = self._peer(edge)
             pieces = zip(self.pieces(value), self.pieces(bucket.comm))
@@ -355,13 +365,13 @@ class Exchanger:
         neighbor = 1.0 / edge.size if edge.is_uniform else edge.neighbor_weight
         return (0.0 if edge.is_uniform else edge.weight - neighbor), neighbor
 
-    def finish(self, bucket: ExchangeBuffers, edge: Edge, value: Tensor, key: tuple[int, int]) -> Tensor:
+    def finish(self, bucket: ExchangeBuffers, edge: Edge, value: Tensor) -> Tensor:
         """A stage's result, into ``staged`` (the parameters themselves change only at the mix)."""
         if edge.size == 1:
             return value
         out = bucket.staging()
         if bucket.compressed is not None:
-            bucket.compressed.mix(value, out, key, self.received(bucket, edge), self.consensus_step)
+            bucket.compressed.mix(value, out, edge, self.received(bucket, edge), self.consensus_step)
             return out
         own, other = self.coefficients(edge)
         if value is out:
