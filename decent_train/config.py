@@ -163,7 +163,8 @@ class TrainConfig:
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing={self.label_smoothing} must be in [0, 1)")
         if self.global_batch_size is not None and self.launch.nproc_per_node is not None:
-            self.batch_size_per_worker(self.launch.world_size)
+            for world_size in self.launch.world_sizes:
+                self.batch_size_per_worker(world_size)
         if self.steps < 0 or (self.steps == 0 and self.epochs <= 0):
             raise ValueError(f"steps={self.steps}, epochs={self.epochs}: set steps >= 1, or steps=0 and epochs > 0")
         if (self.eval_every < 0 or self.grad_clip_norm < 0 or self.message_size_mb < 0 or self.bucket_size_mb <= 0
@@ -187,10 +188,11 @@ class TrainConfig:
         if self.algorithm == "decentralized" and self.launch.nproc_per_node is not None:
             self.topology.import_module()
             for name in {self.topology.name} | {p.mode(self.topology.name) for p in self.phases} - {"allreduce"}:
-                try:
-                    self.build_topology(name)
-                except ValueError as error:
-                    raise ValueError(f"topology={name} with {self.launch.world_size} workers: {error}") from None
+                for world_size in self.launch.world_sizes:  # an elastic job's every size
+                    try:
+                        self.build_topology(name, world_size)
+                    except ValueError as error:
+                        raise ValueError(f"topology={name} with {world_size} workers: {error}") from None
         if self.resume is not None:
             self._check_resume()
 
@@ -271,22 +273,23 @@ class TrainConfig:
             )
         return self.global_batch_size // per_step
 
-    def schedule(self) -> str:
-        """What a checkpoint must have been trained with, besides the world size: the topology laid out over nodes,
-        or all-reduce, or the phases."""
+    def schedule(self, world_size: int | None = None) -> str:
+        """What a checkpoint must have been trained with: the topology laid out over ``world_size`` workers' nodes
+        (default: the launch's), or all-reduce, or the phases."""
         if self.algorithm != "decentralized":
             return "allreduce"
         if not self.phases:
-            return self.build_topology().label
+            return self.build_topology(None, world_size).label
         return "phases: " + ", ".join(
-            ("allreduce" if mode == "allreduce" else self.build_topology(mode).label) + f" from step {start}"
+            ("allreduce" if mode == "allreduce" else self.build_topology(mode, world_size).label) + f" from step {start}"
             for start, mode in self.phase_starts()
         )
 
-    def build_topology(self, name: str | None = None) -> Topology:
-        """The gossip schedule for the launch's workers (no process group needed); default: ``topology.name``."""
+    def build_topology(self, name: str | None = None, world_size: int | None = None) -> Topology:
+        """The gossip schedule for ``world_size`` workers (default: the launch's; no process group needed); default
+        topology: ``topology.name``."""
         local = self.topology.local_world_size or self.launch.nproc_per_node
-        return build_topology(name or self.topology.name, self.launch.world_size, local)
+        return build_topology(name or self.topology.name, world_size or self.launch.world_size, local)
 
 
 def check_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:

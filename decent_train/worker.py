@@ -112,6 +112,10 @@ class Decentralized:
     def state_dict(self) -> dict[str, Any]:
         return self.engine.engine_state_dict()
 
+    @staticmethod
+    def averageable_state(state: dict[str, Any]) -> dict[str, Any]:
+        return DecentralizedDataParallel.averageable_state(state)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.engine.load_engine_state_dict(state)
 
@@ -187,6 +191,10 @@ class AllReduce:
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
         }
+
+    @staticmethod
+    def averageable_state(state: dict[str, Any]) -> dict[str, Any]:
+        return state  # the optimizer's state, the schedule and the scaler: nothing of one worker's own
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
@@ -279,21 +287,36 @@ def train(cfg: TrainConfig, run_dir: Path, device: torch.device, on_record: OnRe
         net.compile()  # in place: parameter names and the saved state_dict stay those of the plain model
     torch.manual_seed(cfg.seed + rank)  # dropout and any other randomness differ per worker
 
-    steps_per_epoch = max(1, data.micro_batches_per_epoch(batch_size, world) // cfg.accum_steps)
+    algorithm = Decentralized if cfg.algorithm == "decentralized" else AllReduce
+    checkpoint, state = load_latest_checkpoint(
+        [run_dir] + ([Path(cfg.resume)] if cfg.resume else []), cfg.schedule(world), cfg.model.architecture(),
+        prepare_average=lambda saved: _averageable(saved, algorithm),
+    )
+    start_step = checkpoint.step if checkpoint is not None else 0  # this run's own (a restart), or cfg.resume's
+    # An epoch, and so the schedule's length, is counted as when the run started, whatever the world size now.
+    run_world = checkpoint.run_world_size if checkpoint is not None else world
+    run_batch_size = cfg.batch_size_per_worker(run_world)
+    steps_per_epoch = max(1, data.micro_batches_per_epoch(run_batch_size, run_world) // cfg.accum_steps)
     total_steps = cfg.steps or math.ceil(cfg.epochs * steps_per_epoch)
     cfg.check_phases_fit(total_steps, f"{total_steps} steps ({cfg.epochs:g} epochs of {steps_per_epoch} steps)")
     precision = Precision(cfg.precision, device)
-    algorithm = Decentralized if cfg.algorithm == "decentralized" else AllReduce
     schedule = make_scheduler_fn(cfg.scheduler, total_steps, steps_per_epoch)
-    checkpoint, state = load_latest_checkpoint(
-        [run_dir] + ([Path(cfg.resume)] if cfg.resume else []), cfg.schedule(), cfg.model.architecture()
-    )
-    start_step = checkpoint.step if checkpoint is not None else 0  # this run's own (a restart), or cfg.resume's
     algo = algorithm(net, cfg, schedule, precision.scaler, start_step)
+    data_start = start_step * cfg.accum_steps  # micro-batches each worker has taken
     if checkpoint is not None and state is not None:
         _check_fits(net, state["model"], checkpoint.path)
         _restore(algo, state, device)
-        logger.info(f"resumed from {checkpoint.path} (step {checkpoint.step})")
+        data_start = state.get("data_position", data_start)
+        if checkpoint.world_size != world:
+            data_start = resharded_start(data, data_start, (checkpoint.world_size, state.get("batch_size", batch_size)),
+                                         (world, batch_size))
+            torch.manual_seed(cfg.seed + rank + 1_000_003 * start_step)  # fresh per worker: the files' were N others'
+            logger.info(
+                f"resumed step {start_step} from {checkpoint.world_size} workers' checkpoint on {world} workers: "
+                f"models and optimizer states averaged ({checkpoint.path})"
+            )
+        else:
+            logger.info(f"resumed from {checkpoint.path} (step {checkpoint.step})")
     trainable = [p for p in net.parameters() if p.requires_grad]
     info = {
         "world_size": world,
@@ -310,7 +333,8 @@ def train(cfg: TrainConfig, run_dir: Path, device: torch.device, on_record: OnRe
     )
     metrics.log_info(info)
     try:
-        job = Job(cfg, algo, data, batch_size, precision, device, total_steps, steps_per_epoch, run_dir, start_step)
+        job = Job(cfg, algo, data, batch_size, precision, device, total_steps, steps_per_epoch, run_dir, start_step,
+                  data_start, run_world)
         result = _train_loop(job, metrics, on_record)
     except BaseException:
         metrics.close(failed=True)
@@ -318,6 +342,8 @@ def train(cfg: TrainConfig, run_dir: Path, device: torch.device, on_record: OnRe
     metrics.close()
 
     result |= {"world_size": world, "algorithm": cfg.algorithm, "model_path": str(run_dir / MODEL_FILE)}
+    if checkpoint is not None and checkpoint.world_size != world:
+        result["resumed_from_world_size"] = checkpoint.world_size
     result["topology"] = cfg.topology.name if cfg.algorithm == "decentralized" else None
     if rank == 0:
         torch.save({k: v.cpu() for k, v in algo.net.state_dict().items()}, run_dir / MODEL_FILE)
@@ -340,6 +366,8 @@ class Job:
     steps_per_epoch: int
     run_dir: Path
     start_step: int  # steps already taken (a resumed run)
+    data_start: int  # micro-batches of this worker's stream already taken (re-sharded when the world size changed)
+    run_world: int  # the world size the run started with (its epochs are counted in it)
 
 
 def _check_fits(net: nn.Module, saved: dict[str, torch.Tensor], path: Path) -> None:
@@ -357,12 +385,33 @@ def _check_fits(net: nn.Module, saved: dict[str, torch.Tensor], path: Path) -> N
 
 
 def _restore(algo: Decentralized | AllReduce, state: dict[str, Any], device: torch.device) -> None:
-    """Continue from a checkpoint's state: the model, the algorithm's state and the random number generators."""
+    """Continue from a checkpoint's state: the model, the algorithm's state and the random number generators (not
+    from an average of other workers' states: each worker's generators were its own)."""
     algo.net.load_state_dict(state["model"])
-    algo.load_state_dict(state["algorithm"])
-    torch.set_rng_state(state["rng"])
-    if device.type == "cuda" and state["cuda_rng"] is not None:
-        torch.cuda.set_rng_state(state["cuda_rng"], device)
+    averaged_from = state.get("averaged_from")
+    algo.load_state_dict({**state["algorithm"], "averaged_from": averaged_from} if averaged_from else state["algorithm"])
+    if not averaged_from:
+        torch.set_rng_state(state["rng"])
+        if device.type == "cuda" and state["cuda_rng"] is not None:
+            torch.cuda.set_rng_state(state["cuda_rng"], device)
+
+
+def _averageable(state: dict[str, Any], algorithm: type[Decentralized] | type[AllReduce]) -> dict[str, Any]:
+    """What of a worker's saved state goes into the average other workers continue from: not its random generators
+    and not its exchange in flight."""
+    kept = {k: v for k, v in state.items() if k not in ("rng", "cuda_rng")}
+    return kept | {"algorithm": algorithm.averageable_state(state["algorithm"])}
+
+
+def resharded_start(data: Datasets, taken: int, old: tuple[int, int], new: tuple[int, int]) -> int:
+    """Where ``new`` = (world, batch size) workers start in their micro-batch streams to go on from ``old`` ones that
+    took ``taken`` micro-batches each: in the same epoch, at the first sample of its order not trained on yet. Each
+    epoch's order is one shuffle of the whole set that the workers deal out in turn, so what ``old`` workers saw of it
+    is a prefix of the order; ``new`` ones skip fewer than one of their global micro-batches to start on a boundary."""
+    (old_world, old_batch), (new_world, new_batch) = old, new
+    epoch, done = divmod(taken, data.micro_batches_per_epoch(old_batch, old_world))
+    per_epoch = data.micro_batches_per_epoch(new_batch, new_world)
+    return epoch * per_epoch + min(-(-done * old_batch * old_world // (new_batch * new_world)), per_epoch)
 
 
 def _checkpoint(job: Job, step: int) -> float:
@@ -370,13 +419,16 @@ def _checkpoint(job: Job, step: int) -> float:
     start = time.perf_counter()
     state = {
         "step": step,
+        "data_position": job.data_start + (step - job.start_step) * job.cfg.accum_steps,  # micro-batches taken
+        "batch_size": job.batch_size,
         "model": job.algo.net.state_dict(),
         "algorithm": job.algo.state_dict(),
         "rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state(job.device) if job.device.type == "cuda" else None,
     }
     cfg = job.cfg
-    path = save_checkpoint(job.run_dir, step, state, cfg.schedule(), cfg.model.architecture(), cfg.checkpoint.keep)
+    path = save_checkpoint(job.run_dir, step, state, cfg.schedule(dist.get_world_size()), cfg.model.architecture(),
+                           cfg.checkpoint.keep, job.run_world)
     logger.debug(f"checkpoint {path}")
     return time.perf_counter() - start
 
@@ -414,7 +466,7 @@ def _train_loop(job: Job, metrics: MetricLogger, on_record: OnRecord | None) -> 
     cfg, algo, device, precision, total_steps = job.cfg, job.algo, job.device, job.precision, job.total_steps
     rank, world = dist.get_rank(), dist.get_world_size()
     batches = job.data.device_train_batches(
-        job.batch_size, rank, world, cfg.seed, start=job.start_step * cfg.accum_steps, device=device,
+        job.batch_size, rank, world, cfg.seed, start=job.data_start, device=device,
         channels_last=cfg.channels_last,
     )
     trainable = [p for p in algo.net.parameters() if p.requires_grad]

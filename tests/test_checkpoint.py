@@ -254,10 +254,16 @@ def test_corrupt_checkpoint_falls_back_to_the_one_before(uninterrupted: Path, tm
     _same_params(tmp_path, uninterrupted)
 
 
-def test_checkpoint_of_another_world_size_or_topology_is_refused(uninterrupted: Path) -> None:
+def test_checkpoint_of_another_topology_is_refused(uninterrupted: Path) -> None:
+    """Another world size is welcome (the workers start from the average), another topology is not."""
+    make_cfg(Path("/unused"), resume=str(uninterrupted), launch={"nproc_per_node": 4})
     with pytest.raises(ValueError, match=r"was written by 2 workers with topology 'ring: 2 workers \(1 nodes x 2\)'; "
-                                         r"this run has 4 workers"):
-        make_cfg(Path("/unused"), resume=str(uninterrupted), launch={"nproc_per_node": 4})
+                                         r"this run has 4 workers with 'complete: 4 workers \(1 nodes x 4\)': resume "
+                                         r"with the same topology$"):
+        make_cfg(Path("/unused"), resume=str(uninterrupted), launch={"nproc_per_node": 4}, topology={"name": "complete"})
+    with pytest.raises(ValueError, match=r"this run has 2 workers with 'ring: 2 workers \(2 nodes x 1\)': resume with "
+                                         r"the same topology, launch.nnodes and launch.nproc_per_node"):
+        make_cfg(Path("/unused"), resume=str(uninterrupted), topology={"local_world_size": 1})
     with pytest.raises(ValueError, match=r"this run has 2 workers with 'allreduce'"):
         make_cfg(Path("/unused"), resume=str(uninterrupted), algorithm="allreduce")
     with pytest.raises(ValueError, match="holds no complete checkpoint"):
@@ -279,8 +285,8 @@ def test_checkpoint_of_another_model_is_refused_by_name(uninterrupted: Path, tmp
 
 
 def test_launcher_refuses_a_mismatched_resume_before_any_worker(uninterrupted: Path, tmp_path: Path) -> None:
-    proc = decent_train(f"resume={uninterrupted}", "launch.nproc_per_node=4", f"hydra.run.dir={tmp_path / 'run'}",
-                        cwd=tmp_path)
+    proc = decent_train(f"resume={uninterrupted}", "launch.nproc_per_node=4", "topology=complete",
+                        f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert proc.returncode == 2
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith(f"decent-train: error: resume={uninterrupted}: ") and "this run has 4 workers" in line

@@ -6,6 +6,10 @@ manifest (each file's sha256 and size, the step, the world size, the topology an
 way. A checkpoint without a manifest is incomplete and never used. Loading checks every rank's file against the
 manifest: if any is truncated or corrupt, all ranks fall back to the previous complete checkpoint, with a warning
 naming the file.
+
+At another world size (M workers continuing N workers' checkpoint) every worker reads all N files, one at a time, and
+starts from their average: the floating-point tensors are summed in float64 as the files stream by (one file and the
+sums in memory, never N states), everything else is taken from rank 0's file.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Optional
@@ -51,14 +57,26 @@ class Checkpoint:
     def step(self) -> int:
         return int(self.manifest["step"])
 
+    @property
+    def world_size(self) -> int:
+        return int(self.manifest["world_size"])
+
+    @property
+    def run_world_size(self) -> int:
+        """The world size the run started with (what its epochs were counted in); older manifests: the writers'."""
+        return int(self.manifest.get("run_world_size", self.manifest["world_size"]))
+
     def describe_mismatch(self, world_size: int, topology: str, model: dict[str, Any]) -> Optional[str]:
         """Why this checkpoint cannot continue a run of ``world_size`` workers on ``topology`` training ``model`` (its
-        ``ModelConfig.architecture()``); None: it can."""
-        if self.manifest["world_size"] != world_size or self.manifest["topology"] != topology:
+        ``ModelConfig.architecture()``); None: it can. At the same world size the topology must be laid out the same
+        way over the nodes; at another, only its name (and phases) must match."""
+        theirs = self.manifest["topology"]
+        same = theirs == topology if self.world_size == world_size else _without_layout(theirs) == _without_layout(topology)
+        if not same:
             return (
-                f"{self.path} was written by {self.manifest['world_size']} workers with topology "
-                f"{self.manifest['topology']!r}; this run has {world_size} workers with {topology!r}: resume with the "
-                "same launch.nnodes, launch.nproc_per_node and topology"
+                f"{self.path} was written by {self.world_size} workers with topology {theirs!r}; this run has "
+                f"{world_size} workers with {topology!r}: resume with the same topology"
+                + (", launch.nnodes and launch.nproc_per_node" if self.world_size == world_size else "")
             )
         theirs = self.manifest.get("model", model)  # older manifests do not say
         if theirs != model:
@@ -66,6 +84,11 @@ class Checkpoint:
                                if theirs.get(k) != model.get(k))
             return f"{self.path} holds another model ({differ}): resume with the same model settings"
         return None
+
+
+def _without_layout(topology: str) -> str:
+    """A topology label without its world size and nodes (``ring: 4 workers (1 nodes x 4)`` -> ``ring``)."""
+    return re.sub(r": \d+ workers \(\d+ nodes x \d+\)", "", topology)
 
 
 class _HashingWriter:
@@ -107,10 +130,12 @@ def complete_checkpoints(run_dir: Path) -> list[Checkpoint]:
 
 
 def save_checkpoint(
-    run_dir: Path, step: int, state: dict[str, Any], topology: str, model: dict[str, Any], keep: int
+    run_dir: Path, step: int, state: dict[str, Any], topology: str, model: dict[str, Any], keep: int,
+    run_world_size: Optional[int] = None,
 ) -> Path:
     """Every rank saves ``state``; rank 0 then writes the manifest (with the ``topology`` and the ``model``'s
-    architecture that a resume must match) and deletes all but the newest ``keep``.
+    architecture that a resume must match, and the world size the run started with: by default this one) and deletes
+    all but the newest ``keep``.
 
     Collective: every rank calls it at the same step.
     """
@@ -123,7 +148,8 @@ def save_checkpoint(
     with peers_must_answer(f"saving checkpoint {directory.name} (gathering the ranks' files)"):
         dist.all_gather_object(entries, {"file": file.name, "sha256": sha256, "bytes": size})
     if rank == 0:
-        manifest = {"step": step, "world_size": world, "topology": topology, "model": model, "ranks": entries}
+        manifest = {"step": step, "world_size": world, "run_world_size": run_world_size or world,
+                    "topology": topology, "model": model, "ranks": entries}
         _write_atomically(directory / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
         for old in complete_checkpoints(run_dir)[keep:]:
             shutil.rmtree(old.path, ignore_errors=True)
@@ -135,8 +161,9 @@ def save_checkpoint(
     return directory
 
 
-def _read_own_file(checkpoint: Checkpoint, rank: int) -> tuple[Optional[dict[str, Any]], str]:
-    """This rank's state from ``checkpoint`` if its checksum matches the manifest; else None and why."""
+def _read_file(checkpoint: Checkpoint, rank: int) -> tuple[Optional[dict[str, Any]], str]:
+    """Rank ``rank``'s state from ``checkpoint`` if its checksum matches the manifest; else None and why. The hash
+    streams over the file before it is loaded: never two copies of it in memory."""
     entry = checkpoint.manifest["ranks"][rank]
     path = checkpoint.path / entry["file"]
     try:
@@ -152,13 +179,79 @@ def _read_own_file(checkpoint: Checkpoint, rank: int) -> tuple[Optional[dict[str
     return torch.load(path, map_location="cpu", weights_only=True), ""
 
 
+Prepare = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def _read_averaged(checkpoint: Checkpoint, prepare: Prepare) -> tuple[Optional[dict[str, Any]], str]:
+    """The average of every rank's ``prepare``d state, reading the files one at a time; None and why if one is bad."""
+    problems: list[str] = []
+
+    def states() -> Iterator[dict[str, Any]]:
+        for rank in range(checkpoint.world_size):
+            state, why = _read_file(checkpoint, rank)
+            if state is None:
+                problems.append(why)
+                return
+            yield prepare(state)
+
+    average = average_states(states())
+    return (None, problems[0]) if problems else (average, "")
+
+
+def average_states(states: Iterator[dict[str, Any]]) -> dict[str, Any]:
+    """The mean of each floating-point tensor over ``states`` (nested dicts, lists and tuples of the same layout),
+    summed in float64 and returned in its dtype; everything else (step counts as integers, schedules, the scaler) as
+    in the first state."""
+    first: Any = None
+    sums: list[torch.Tensor] = []
+    count = 0
+    for state in states:
+        floats = _floats(state)
+        if first is None:
+            first, sums = state, [t.to(torch.float64, copy=True) for t in floats]
+        elif len(floats) != len(sums) or any(a.shape != b.shape for a, b in zip(floats, sums)):
+            raise ValueError(f"checkpoint file {count} holds a state of another layout than file 0's")
+        else:
+            for total, value in zip(sums, floats):
+                total.add_(value)
+        count += 1
+    if first is None:
+        raise ValueError("no state to average")
+    means = iter([total.div_(count).to(t.dtype) for total, t in zip(sums, _floats(first))])
+    return _with_floats(first, means)
+
+
+def _floats(obj: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of a nested state, in a fixed order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.is_floating_point() else []
+    if isinstance(obj, dict):
+        return [t for key in obj for t in _floats(obj[key])]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _floats(item)]
+    return []
+
+
+def _with_floats(obj: Any, values: Iterator[torch.Tensor]) -> Any:
+    """``obj`` with its floating-point tensors replaced, in :func:`_floats`' order, by ``values``."""
+    if isinstance(obj, torch.Tensor):
+        return next(values) if obj.is_floating_point() else obj
+    if isinstance(obj, dict):
+        return {key: _with_floats(value, values) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_with_floats(item, values) for item in obj)
+    return obj
+
+
 def load_latest_checkpoint(
-    run_dirs: list[Path], topology: str, model: dict[str, Any]
+    run_dirs: list[Path], topology: str, model: dict[str, Any], prepare_average: Prepare = lambda state: state
 ) -> tuple[Optional[Checkpoint], Optional[dict[str, Any]]]:
-    """The newest checkpoint in ``run_dirs`` (in order of preference) that every rank can read, and this rank's state.
+    """The newest checkpoint in ``run_dirs`` (in order of preference) that every rank can read, and this rank's state:
+    its own file's, or, written by another number of workers, the average of all files' ``prepare_average``d states
+    (marked ``averaged_from``: the number of files).
 
     Collective. A checkpoint with a bad file on any rank is skipped on all, with a warning; a checkpoint of another
-    world size, topology or model is an error (``ValueError``).
+    topology or model is an error (``ValueError``).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     for run_dir in run_dirs:
@@ -166,7 +259,12 @@ def load_latest_checkpoint(
             mismatch = checkpoint.describe_mismatch(world, topology, model)
             if mismatch:
                 raise ValueError(mismatch)
-            state, why = _read_own_file(checkpoint, rank)
+            if checkpoint.world_size == world:
+                state, why = _read_file(checkpoint, rank)
+            else:
+                state, why = _read_averaged(checkpoint, prepare_average)
+                if state is not None:
+                    state["averaged_from"] = checkpoint.world_size
             problems: list[Any] = [None] * world
             with peers_must_answer(f"loading checkpoint {checkpoint.path.name}"):
                 dist.all_gather_object(problems, why)

@@ -865,10 +865,22 @@ class DecentralizedDataParallel(nn.Module):
             "buckets": buckets,
         }
 
+    @staticmethod
+    def averageable_state(state: dict[str, Any]) -> dict[str, Any]:
+        """``engine_state_dict()`` without what is one worker's own: the exchange in flight and the compressed
+        gossip's public copies. What the workers' states average to continues training on another number of workers
+        (``load_engine_state_dict``): the mixing matrices are doubly stochastic, so the average of the saved models
+        is also their average after the exchange in flight, and the copies restart from the averaged model."""
+        buckets = [{**b, "received": None, "staged": None, "compressed": None} for b in state["buckets"]]
+        return {**state, "buckets": buckets}
+
     @torch.no_grad()
     def load_engine_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``engine_state_dict()`` (after loading the model's ``state_dict()`` saved with it)."""
-        if state["world_size"] != self._world_size or state["topology"] != self._phase.label:
+        """Continue from ``engine_state_dict()`` (after loading the model's ``state_dict()`` saved with it), or from
+        the average of several workers' ``averageable_state``s, marked ``averaged_from`` (their number): then the
+        world size and topology may differ, and every worker must load the same average."""
+        averaged = bool(state.get("averaged_from"))
+        if not averaged and (state["world_size"] != self._world_size or state["topology"] != self._phase.label):
             raise ValueError(
                 f"the engine state is from {state['world_size']} workers with {state['topology']!r}; this engine has "
                 f"{self._world_size} workers with {self._phase.label!r}"
@@ -892,6 +904,10 @@ class DecentralizedDataParallel(nn.Module):
             if not self._param_as_bucket_view:
                 torch._foreach_copy_(bucket.views, [p.data for p in bucket.params])
             compressed = saved.get("compressed")
+            if averaged:
+                if bucket.compressed is not None:
+                    bucket.compressed.reset(bucket.flat)  # the same model on every worker
+                continue
             if (compressed is None) != (bucket.compressed is None):
                 raise ValueError("the engine state was saved with other compression settings than this engine's")
             if compressed is not None:

@@ -1,0 +1,151 @@
+"""Resuming at another world size: M workers continue N workers' checkpoint from the average of their states.
+
+Oracles: the average of the N saved files computed here from the files themselves (parameters and Adam's moments, in
+float64), the data order of an epoch (what N workers saw is a prefix of it), and the default job's accuracy.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from decent_train import DecentralizedDataParallel, optim_fn_adam
+from decent_train.components.checkpoint import complete_checkpoints, load_latest_checkpoint, save_checkpoint
+from decent_train.components.data import DatasetConfig, build_datasets
+from decent_train.config import RESULT_FILE
+from decent_train.worker import resharded_start
+
+from .distributed import run_workers
+from .replay import loss_fn, make_model
+from .test_cli import check_succeeded, decent_train
+from .test_worker import records
+
+ADAM = partial(optim_fn_adam, lr=0.01)
+MODEL = {"name": "test"}
+
+
+def _engine(topology: str) -> DecentralizedDataParallel:
+    return DecentralizedDataParallel(make_model(0), ADAM, topology=topology, bucket_size_in_mb=0.0005,
+                                     compression="int8")
+
+
+def _train_and_save(rank: int, world: int, run_dir: Path, steps: int) -> None:
+    from loguru import logger
+
+    logger.remove()
+    engine = _engine("ring")
+    for s in range(steps):
+        loss_fn(engine, rank, s).backward()  # every worker its own data: the models and moments differ
+    state = {"model": engine.state_dict(), "algorithm": engine.engine_state_dict()}
+    save_checkpoint(run_dir, steps, state, "ring", MODEL, keep=1)
+
+
+def _load_averaged(rank: int, world: int, run_dir: Path) -> dict[str, Any]:
+    from loguru import logger
+
+    logger.remove()
+    engine = _engine("ring")
+
+    def averageable(state: dict[str, Any]) -> dict[str, Any]:
+        return {**state, "algorithm": DecentralizedDataParallel.averageable_state(state["algorithm"])}
+
+    checkpoint, state = load_latest_checkpoint([run_dir], "ring", MODEL, prepare_average=averageable)
+    assert checkpoint is not None and state is not None
+    engine.load_state_dict(state["model"])
+    engine.load_engine_state_dict({**state["algorithm"], "averaged_from": state["averaged_from"]})
+    moments = {
+        (b, key): [opt.state[p][key].clone() for p in opt.param_groups[0]["params"]]
+        for b, opt in enumerate(engine.optimizers) for key in ("exp_avg", "exp_avg_sq", "step")
+    }
+    copies = [c.own.clone() for bucket in engine._buckets for c in bucket.compressed.copies.values()]
+    flats = [bucket.flat.clone() for bucket in engine._buckets for _ in bucket.compressed.copies]
+    pending = [bucket.pending for bucket in engine._buckets]
+    return {"params": {k: v.detach().clone() for k, v in engine.named_parameters()}, "moments": moments,
+            "copies_equal_flat": all(torch.equal(c, f) for c, f in zip(copies, flats)),
+            "pending": pending, "step": engine.step_count, "averaged_from": state["averaged_from"]}
+
+
+@pytest.mark.parametrize("new_world", [2, 8])
+def test_workers_start_from_the_average_of_another_world_size(tmp_path: Path, new_world: int) -> None:
+    """4 workers train 5 steps with Adam and int8 compression and checkpoint; M workers load it: every one holds the
+    average of the 4 saved models and of their optimizer moments, nothing in flight, its copies at the average."""
+    run_workers(_train_and_save, 4, tmp_path, steps=5)
+    (checkpoint,) = complete_checkpoints(tmp_path)
+    saved = [torch.load(checkpoint.path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    expected = {name: torch.stack([s["model"][name] for s in saved]).mean(0) for name in saved[0]["model"]}
+    assert max((expected[n] - saved[0]["model"][n]).abs().max().item() for n in expected) > 1e-3, "models differ"
+
+    loaded = run_workers(_load_averaged, new_world, tmp_path)
+    for result in loaded:
+        assert result["averaged_from"] == 4 and result["step"] == 5
+        for name, value in result["params"].items():
+            assert value.dtype == torch.float64
+            assert (value - expected[name]).abs().max().item() <= 1e-12, name
+        for (b, key), values in result["moments"].items():
+            states = [s["algorithm"]["buckets"][b]["optimizer"]["state"] for s in saved]
+            for index, value in enumerate(values):
+                mean = torch.stack([state[index][key] for state in states]).mean(0)
+                assert (value - mean).abs().max().item() <= 1e-12, (b, key, index)
+        assert result["moments"][0, "step"][0].item() == 5.0  # step counts kept
+        assert result["copies_equal_flat"] and result["pending"] == [None] * len(result["pending"])
+
+
+def test_resharded_data_continues_the_epoch_where_the_old_workers_stopped() -> None:
+    """What N workers took of an epoch is a prefix of its shuffled order; M workers go on from the end of that prefix
+    (skipping fewer than one of their global micro-batches), in the same epoch."""
+    data = build_datasets(DatasetConfig(name="digits"))
+    seed, batch = 0, 8
+
+    per_epoch_4 = data.micro_batches_per_epoch(batch, 4)
+    taken = per_epoch_4 + 5  # into the second epoch
+    start = resharded_start(data, taken, (4, batch), (2, batch))
+    per_epoch_2 = data.micro_batches_per_epoch(batch, 2)
+    assert start == per_epoch_2 + 10  # 5 micro-batches x 4 workers = 10 x 2 workers: the same 160 samples done
+    assert resharded_start(data, taken, (4, batch), (8, batch)) == data.micro_batches_per_epoch(batch, 8) + 3  # 160/64
+    assert resharded_start(data, taken, (4, batch), (4, batch)) == taken  # the same world: the same stream
+
+    # The samples: 4 workers' first 5 micro-batches of epoch 1 and 2 workers' next ones are disjoint, and together
+    # the prefix of the epoch's order.
+    def samples(world: int, first: int, count: int) -> Counter[tuple[float, ...]]:
+        seen: Counter[tuple[float, ...]] = Counter()
+        for rank in range(world):
+            stream = data.train_batches(batch, rank, world, seed, start=first)
+            for _ in range(count):
+                x, _ = next(stream)
+                seen.update(tuple(row.flatten().tolist()) for row in x)
+        return seen
+
+    old, new = samples(4, per_epoch_4, 5), samples(2, start, 10)
+    both = samples(2, per_epoch_2, 20)  # 2 workers taking the whole prefix of 320 samples themselves
+    assert old.total() == new.total() == 160 and old + new == both
+
+
+def test_cli_continues_a_4_worker_checkpoint_on_2_and_8_workers(tmp_path: Path) -> None:
+    """The default job, checkpointed by 4 workers at step 300 of 600, continued with resume= on 2 and on 8."""
+    source = tmp_path / "source"
+    check_succeeded(decent_train("steps=600", "checkpoint.every=300", "eval_every=0", "logger.progress_bar=false",
+                                 f"hydra.run.dir={source}", cwd=tmp_path))
+    shutil.rmtree(source / "checkpoints" / "step_00000600")  # as if it had stopped after step 300
+    for workers in (2, 8):
+        run_dir = tmp_path / f"on{workers}"
+        proc = decent_train("steps=600", "checkpoint.every=300", "eval_every=0", "logger.progress_bar=false",
+                            f"resume={source}", f"launch.nproc_per_node={workers}", f"hydra.run.dir={run_dir}",
+                            cwd=tmp_path)
+        check_succeeded(proc)
+        said = f"resumed step 300 from 4 workers' checkpoint on {workers} workers: models and optimizer states averaged"
+        assert said in proc.stdout + proc.stderr
+        result = json.loads((run_dir / RESULT_FILE).read_text())
+        assert (result["world_size"], result["resumed_from_world_size"]) == (workers, 4)
+        assert (result["resumed_from_step"], result["steps"]) == (300, 600)
+        assert result["eval/accuracy"] >= 0.95
+        logged = [r["step"] for r in records(run_dir)]
+        assert logged[0] == 300 + (logged[1] - logged[0]) and logged[-1] == 600
+        assert [c.manifest["world_size"] for c in complete_checkpoints(run_dir)] == [workers]  # step 600
+        assert all(c.run_world_size == 4 for c in complete_checkpoints(run_dir))
