@@ -35,10 +35,12 @@ from decent_train.config import (
     check_config,
 )
 from decent_train.launcher.launch import (
+    LaunchConfig,
     WorkerFailure,
     check_devices,
     format_command,
     launch_workers,
+    node_range,
     slurm_rendezvous,
     torchrun_command,
 )
@@ -95,7 +97,7 @@ def _check_and_launch(cfg: DictConfig) -> float | None:
         check_devices(cfg.launch.device, cfg.launch.nproc_per_node, torch.cuda.is_available(), torch.cuda.device_count())
     if cfg.resume:
         cfg.resume = str(Path(cfg.resume).resolve())  # the workers may start elsewhere (another node's directory)
-    if cfg.launch.nnodes > 1 and not cfg.launch.rdzv_endpoint and os.environ.get("SLURM_JOB_ID"):
+    if node_range(cfg.launch.nnodes)[1] > 1 and not cfg.launch.rdzv_endpoint and os.environ.get("SLURM_JOB_ID"):
         # One Hydra job on each node of a SLURM allocation (hydra/launcher=slurm with launch.nnodes > 1).
         cfg.launch.rdzv_endpoint, cfg.launch.rdzv_id = slurm_rendezvous()
     train_cfg = check_config(cfg)
@@ -121,7 +123,7 @@ def _train(cfg: TrainConfig, run_dir: Path, config_path: Path) -> float:
         what = f"topology={cfg.topology.name}" if cfg.algorithm == "decentralized" else "all-reduce"
     if cfg.compression.name != "none":
         what += f", compression={cfg.compression.name}"
-    logger.info(f"{cfg.launch.world_size} workers on {cfg.launch.device}, {what}; outputs in {run_dir}")
+    logger.info(f"{_workers(cfg.launch)} workers on {cfg.launch.device}, {what}; outputs in {run_dir}")
     start = time.perf_counter()
     prepare_data(cfg.dataset)  # a download happens once, here, not in every worker
     launch_workers(cfg.launch, config_path)
@@ -148,9 +150,15 @@ def _print_dry_run(cfg: TrainConfig, config_path: Path) -> None:
     elif cfg.algorithm == "decentralized":
         summary = cfg.build_topology().describe()
     else:
-        summary = f"all-reduce (torch DDP) over {cfg.launch.world_size} workers"
+        summary = f"all-reduce (torch DDP) over {_workers(cfg.launch)} workers"
     print(f"dry run: nothing trained\n  topology: {summary}\n  config:   {config_path}")
     print(f"  workers:  {format_command(torchrun_command(cfg.launch, config_path))}", flush=True)
+
+
+def _workers(launch: LaunchConfig) -> str:
+    """How many workers: ``4``, or an elastic job's range, ``2 to 4``."""
+    sizes = launch.world_sizes
+    return f"{sizes[0]} to {sizes[-1]}" if launch.elastic else str(sizes[0])
 
 
 _LIST_ENTRIES = {PhaseConfig: "in each entry of phases"}  # list entries: OmegaConf reports no parent key

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
+import re
+import runpy
 import shlex
 import signal
 import subprocess
@@ -13,7 +16,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig as ElasticLaunchConfig
@@ -21,6 +24,16 @@ from torch.distributed.launcher.api import elastic_launch
 
 DEVICES = ("cpu", "cuda", "auto")
 WORKER_MODULE = "decent_train.worker"
+# torch's c10d rendezvous defaults (dynamic_rendezvous.py), which the launch config's defaults keep.
+TORCH_LAST_CALL_S, TORCH_KEEP_ALIVE_S = 30, 5
+# torch 2.15 shares the rank-0 agent's TCP store with the workers and caches its address across rendezvous rounds.
+# When a node joins a running job, an agent that stays rank 0 does not publish the address for the new round, and both
+# agents wait for each other until they time out (seen here); when rank 0's node is lost, the nodes left keep its dead
+# address (read in dynamic_rendezvous.py). Unshared, every round publishes a fresh address; the workers' rank 0 hosts
+# their store.
+ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_NODE_RANGE = re.compile(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?")
 
 
 @dataclass
@@ -47,33 +60,78 @@ class LaunchConfig:
     """``conf/launch/*.yaml``: how many workers, on what, and how the elastic agent runs them."""
 
     nproc_per_node: Optional[int] = 4  # workers per node; null: one per visible GPU
-    nnodes: int = 1
+    # N nodes, or torchrun's "MIN:MAX" (elastic: the workers restart when nodes leave or join; in a YAML file quote
+    # it, "1:2": YAML reads 1:2 as the base-60 number 62)
+    nnodes: Union[int, str] = 1
     device: str = "cpu"  # cpu (gloo) | cuda (nccl, one GPU per worker) | auto (cuda when available)
     max_restarts: int = 0  # the agent restarts all workers this many times after a failure
     monitor_interval: float = 0.1  # seconds between the agent's checks of the workers
     rdzv_endpoint: str = ""  # host:port of the c10d rendezvous; empty: standalone on this node
-    rdzv_id: str = ""  # empty: a fresh id per launch
+    rdzv_id: str = ""  # empty: a fresh id per launch (several nodes must share one)
+    rdzv_last_call_s: int = TORCH_LAST_CALL_S  # once MIN nodes have joined, the rendezvous waits this long for more
+    rdzv_keep_alive_s: int = TORCH_KEEP_ALIVE_S  # agents' heartbeat; a node silent for 3 of them has left
     threads_per_worker: Optional[int] = None  # OMP_NUM_THREADS of each worker; null: CPU cores / workers per node
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
     def __post_init__(self) -> None:
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
             raise ValueError(f"launch.nproc_per_node={self.nproc_per_node}: at least one worker per node is needed")
-        if self.nnodes < 1:
-            raise ValueError(f"launch.nnodes={self.nnodes}: at least one node is needed")
+        low, high = node_range(self.nnodes)
+        if low == high:
+            self.nnodes = low  # "2" or "2:2": a fixed number of nodes
         if self.device not in DEVICES:
             raise ValueError(f"launch.device={self.device!r} is not a device; valid: {', '.join(DEVICES)}")
         if self.max_restarts < 0:
             raise ValueError(f"launch.max_restarts={self.max_restarts} must be >= 0")
-        if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise ValueError(f"launch.nnodes={self.nnodes} needs launch.rdzv_endpoint=HOST:PORT (the first node)")
+        if high > 1 and not (self.rdzv_endpoint and self.rdzv_id):
+            # Each node's agent must find the others: the same endpoint and the same id (a fresh one per launch, or a
+            # free port of its own, would leave every agent in a world of its own).
+            raise ValueError(
+                f"launch.nnodes={self.nnodes} needs launch.rdzv_endpoint=HOST:PORT (the first node) and "
+                "launch.rdzv_id=ID, the same for every node"
+            )
+        for key in ("rdzv_last_call_s", "rdzv_keep_alive_s"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"launch.{key}={getattr(self, key)} must be >= 1 (whole seconds)")
         if self.threads_per_worker is not None and self.threads_per_worker < 1:
             raise ValueError(f"launch.threads_per_worker={self.threads_per_worker} must be >= 1")
 
     @property
-    def world_size(self) -> int:
+    def min_nodes(self) -> int:
+        return node_range(self.nnodes)[0]
+
+    @property
+    def max_nodes(self) -> int:
+        return node_range(self.nnodes)[1]
+
+    @property
+    def elastic(self) -> bool:
+        """Nodes may leave (down to ``min_nodes``) or join (up to ``max_nodes``) while the job runs."""
+        return self.min_nodes != self.max_nodes
+
+    @property
+    def world_sizes(self) -> list[int]:
+        """Every number of workers the job may train with, smallest first: what the config must work for."""
         assert self.nproc_per_node is not None, "nproc_per_node is resolved by the launcher"
-        return self.nnodes * self.nproc_per_node
+        return [k * self.nproc_per_node for k in range(self.min_nodes, self.max_nodes + 1)]
+
+    @property
+    def world_size(self) -> int:
+        """The number of workers with every node joined (``max_nodes``). An elastic job trains with any of
+        :attr:`world_sizes` at a time: checks go over all of them, and a worker's is ``dist.get_world_size()``."""
+        return self.world_sizes[-1]
+
+
+def node_range(nnodes: Union[int, str]) -> tuple[int, int]:
+    """``launch.nnodes`` as ``(MIN, MAX)`` nodes: ``N`` is ``(N, N)``, ``"MIN:MAX"`` torchrun's elastic range."""
+    match = _NODE_RANGE.fullmatch(str(nnodes))
+    low, high = (int(match[1]), int(match[2] or match[1])) if match else (0, 0)
+    if not 1 <= low <= high:
+        raise ValueError(
+            f"launch.nnodes={nnodes} is not a number of nodes; valid: N >= 1, or MIN:MAX with 1 <= MIN <= MAX "
+            "(elastic, e.g. 1:4)"
+        )
+    return low, high
 
 
 class WorkerFailure(RuntimeError):
@@ -93,9 +151,12 @@ def torchrun_command(cfg: LaunchConfig, config_path: Path) -> list[str]:
             f"--rdzv-endpoint={cfg.rdzv_endpoint}",
             f"--rdzv-id={cfg.rdzv_id or 'RUN_ID'}",
         ]
+        if (cfg.rdzv_last_call_s, cfg.rdzv_keep_alive_s) != (TORCH_LAST_CALL_S, TORCH_KEEP_ALIVE_S):
+            rendezvous.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in _rendezvous_settings(cfg).items()))
     else:
         rendezvous = ["--standalone"]
     return [
+        *(["env", *(f"{k}={v}" for k, v in ELASTIC_ENV.items())] if cfg.elastic else []),
         "torchrun",
         *rendezvous,
         f"--nproc-per-node={cfg.nproc_per_node}",
@@ -128,23 +189,52 @@ def slurm_rendezvous() -> tuple[str, str]:
 def launch_workers(cfg: LaunchConfig, config_path: Path) -> None:
     """Run the workers on this node until they finish; raise :class:`WorkerFailure` if one fails."""
     elastic = ElasticLaunchConfig(
-        min_nodes=cfg.nnodes,
-        max_nodes=cfg.nnodes,
+        min_nodes=cfg.min_nodes,
+        max_nodes=cfg.max_nodes,
         nproc_per_node=cfg.nproc_per_node,
         run_id=cfg.rdzv_id or uuid.uuid4().hex,
         rdzv_backend="c10d",
         rdzv_endpoint=cfg.rdzv_endpoint or "localhost:0",  # port 0: parallel jobs never collide
+        rdzv_configs=_rendezvous_settings(cfg),
         max_restarts=cfg.max_restarts,
         monitor_interval=cfg.monitor_interval,
     )
     threads = cfg.threads_per_worker or default_threads_per_worker(cfg.nproc_per_node)
     # The agent logs each failure at ERROR; WorkerFailure reports the first one instead.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
-    with _environment(OMP_NUM_THREADS=str(threads)):
+    # python -m decent_train.worker CONFIG, bound to this process (the agent) first.
+    bind = f"from {__name__} import run_bound_to_agent; run_bound_to_agent({os.getpid()})"
+    with _environment(OMP_NUM_THREADS=str(threads), **(ELASTIC_ENV if cfg.elastic else {})):
         try:
-            elastic_launch(elastic, sys.executable)("-u", "-m", WORKER_MODULE, str(config_path))
+            elastic_launch(elastic, sys.executable)("-u", "-c", bind, "-m", WORKER_MODULE, str(config_path))
         except ChildFailedError as error:
             raise _failure(error) from None
+
+
+def run_bound_to_agent(agent: int) -> None:
+    """Run ``-m MODULE ARGS`` (the rest of this ``python -c`` command line) as Python would, in a process that the
+    kernel kills when its elastic agent (process ``agent``) dies.
+
+    The agent starts each worker in a session of its own, so a killed agent (a node lost, as far as the others can
+    tell) would leave its workers running: they would keep the node's place in every collective, and an elastic job
+    would never notice that it had lost the node. Linux only (``PR_SET_PDEATHSIG``, which follows the agent's main
+    thread: the one that starts the workers); elsewhere the module just runs.
+    """
+    if sys.platform == "linux":
+        if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != agent:
+            sys.exit(f"the elastic agent (pid {agent}) died before this worker started")
+    _, flag, module, *args = sys.argv  # ["-c", "-m", MODULE, ARGS...]
+    assert flag == "-m", sys.argv
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def _rendezvous_settings(cfg: LaunchConfig) -> dict[str, int]:
+    """torch's c10d rendezvous options (``--rdzv-conf``) that a membership change waits on: a lost node is dropped
+    after 3 missed heartbeats, and the rest go on once ``last_call`` has passed without more nodes."""
+    return {"last_call_timeout": cfg.rdzv_last_call_s, "keep_alive_interval": cfg.rdzv_keep_alive_s}
 
 
 def check_devices(device: str, nproc_per_node: int, cuda_available: bool, gpus: int) -> None:
