@@ -7,11 +7,13 @@ average of the workers' models, and (rank 0) writes metrics.jsonl, result.json a
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import gc
 import json
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -265,6 +267,8 @@ def evaluate(net: nn.Module, cfg: TrainConfig, data: Datasets, device: torch.dev
     loss, correct, count = sums.tolist()
     return {"eval/loss": loss / count, "eval/accuracy": correct / count}
 
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 OnRecord = Callable[[dict[str, Any], nn.Module], None]
 
@@ -633,7 +637,22 @@ def _restart_store(timeout: timedelta) -> dist.Store | None:
 
 
 @record
+def _die_with_agent() -> None:
+    """Have the kernel kill this worker when the elastic agent that started it dies (the launcher names it in
+    ``DECENT_TRAIN_AGENT_PID``). The agent starts each worker in a session of its own, so a killed agent (a node lost,
+    as far as the other nodes can tell) would leave its workers running: they would hold the node's place in every
+    collective, and an elastic job would never notice the loss. Linux only (``PR_SET_PDEATHSIG``)."""
+    agent = os.environ.get("DECENT_TRAIN_AGENT_PID")
+    if agent is None or sys.platform != "linux":
+        return
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != int(agent):  # it died before the line above
+        sys.exit(f"the elastic agent (pid {agent}) died before this worker started")
+
+
 def main(argv: list[str] | None = None) -> None:
+    _die_with_agent()
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         sys.exit("usage: python -m decent_train.worker RUN_DIR/resolved_config.yaml   (under torchrun)")

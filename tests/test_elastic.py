@@ -100,6 +100,13 @@ def test_elastic_range_from_the_command_line_and_yaml() -> None:
     assert reloaded.launch.nnodes == "1:2"
 
 
+@pytest.mark.parametrize("nnodes, allocated", [("1:3", 3), ("2", 2)])
+def test_a_slurm_sweep_allocates_the_most_nodes_of_a_range(nnodes: str, allocated: int) -> None:
+    with initialize_config_dir(config_dir=shipped_dir("conf"), version_base="1.3"):
+        cfg = compose("train", overrides=["hydra/launcher=slurm", f"launch.nnodes={nnodes}"], return_hydra_config=True)
+    assert cfg.hydra.launcher.nodes == allocated
+
+
 def test_elastic_torchrun_command() -> None:
     cfg = LaunchConfig(nproc_per_node=8, max_restarts=3, rdzv_last_call_s=5, rdzv_keep_alive_s=2, **ELASTIC)
     assert torchrun_command(cfg, Path("/runs/x/resolved_config.yaml")) == [

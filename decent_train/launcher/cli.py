@@ -61,6 +61,8 @@ def with_recipes(argv: list[str]) -> list[str]:
 
 
 ConfigStore.instance().store(name="base_train", node=TrainConfig)
+# conf/hydra/launcher/slurm.yaml: a SLURM sweep allocates the most nodes an elastic launch.nnodes=MIN:MAX asks for.
+OmegaConf.register_new_resolver("max_nodes", lambda nnodes: node_range(nnodes)[1], replace=True)
 
 
 @hydra.main(version_base="1.3", config_path=shipped_dir("conf"), config_name="train")
@@ -123,6 +125,8 @@ def _train(cfg: TrainConfig, run_dir: Path, config_path: Path) -> float:
         what = f"topology={cfg.topology.name}" if cfg.algorithm == "decentralized" else "all-reduce"
     if cfg.compression.name != "none":
         what += f", compression={cfg.compression.name}"
+        if cfg.compression.copy_dtype != "param":
+            what += f" (copies in {cfg.compression.copy_dtype})"
     logger.info(f"{_workers(cfg.launch)} workers on {cfg.launch.device}, {what}; outputs in {run_dir}")
     start = time.perf_counter()
     prepare_data(cfg.dataset)  # a download happens once, here, not in every worker

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import re
-import runpy
 import shlex
 import signal
 import subprocess
@@ -32,7 +30,7 @@ TORCH_LAST_CALL_S, TORCH_KEEP_ALIVE_S = 30, 5
 # address (read in dynamic_rendezvous.py). Unshared, every round publishes a fresh address; the workers' rank 0 hosts
 # their store.
 ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+AGENT_PID_ENV = "DECENT_TRAIN_AGENT_PID"
 _NODE_RANGE = re.compile(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?")
 
 
@@ -202,33 +200,12 @@ def launch_workers(cfg: LaunchConfig, config_path: Path) -> None:
     threads = cfg.threads_per_worker or default_threads_per_worker(cfg.nproc_per_node)
     # The agent logs each failure at ERROR; WorkerFailure reports the first one instead.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
-    # python -m decent_train.worker CONFIG, bound to this process (the agent) first.
-    bind = f"from {__name__} import run_bound_to_agent; run_bound_to_agent({os.getpid()})"
+    os.environ[AGENT_PID_ENV] = str(os.getpid())  # the workers die with this agent (worker.py: _die_with_agent)
     with _environment(OMP_NUM_THREADS=str(threads), **(ELASTIC_ENV if cfg.elastic else {})):
         try:
-            elastic_launch(elastic, sys.executable)("-u", "-c", bind, "-m", WORKER_MODULE, str(config_path))
+            elastic_launch(elastic, sys.executable)("-u", "-m", WORKER_MODULE, str(config_path))
         except ChildFailedError as error:
             raise _failure(error) from None
-
-
-def run_bound_to_agent(agent: int) -> None:
-    """Run ``-m MODULE ARGS`` (the rest of this ``python -c`` command line) as Python would, in a process that the
-    kernel kills when its elastic agent (process ``agent``) dies.
-
-    The agent starts each worker in a session of its own, so a killed agent (a node lost, as far as the others can
-    tell) would leave its workers running: they would keep the node's place in every collective, and an elastic job
-    would never notice that it had lost the node. Linux only (``PR_SET_PDEATHSIG``, which follows the agent's main
-    thread: the one that starts the workers); elsewhere the module just runs.
-    """
-    if sys.platform == "linux":
-        if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-        if os.getppid() != agent:
-            sys.exit(f"the elastic agent (pid {agent}) died before this worker started")
-    _, flag, module, *args = sys.argv  # ["-c", "-m", MODULE, ARGS...]
-    assert flag == "-m", sys.argv
-    sys.argv = [module, *args]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 def _rendezvous_settings(cfg: LaunchConfig) -> dict[str, int]:
