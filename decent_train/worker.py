@@ -268,8 +268,6 @@ def evaluate(net: nn.Module, cfg: TrainConfig, data: Datasets, device: torch.dev
     return {"eval/loss": loss / count, "eval/accuracy": correct / count}
 
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
 OnRecord = Callable[[dict[str, Any], nn.Module], None]
 
 
@@ -312,8 +310,8 @@ def train(cfg: TrainConfig, run_dir: Path, device: torch.device, on_record: OnRe
         _restore(algo, state, device)
         data_start = state.get("data_position", data_start)
         if checkpoint.world_size != world:
-            data_start = resharded_start(data, data_start, (checkpoint.world_size, state.get("batch_size", batch_size)),
-                                         (world, batch_size))
+            saved_batch_size = state.get("batch_size") or cfg.batch_size_per_worker(checkpoint.world_size)
+            data_start = resharded_start(data, data_start, (checkpoint.world_size, saved_batch_size), (world, batch_size))
             torch.manual_seed(cfg.seed + rank + 1_000_003 * start_step)  # fresh per worker: the files' were N others'
             logger.info(
                 f"resumed step {start_step} from {checkpoint.world_size} workers' checkpoint on {world} workers: "
@@ -636,7 +634,9 @@ def _restart_store(timeout: timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"decent_train/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
 
 
-@record
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
 def _die_with_agent() -> None:
     """Have the kernel kill this worker when the elastic agent that started it dies (the launcher names it in
     ``DECENT_TRAIN_AGENT_PID``). The agent starts each worker in a session of its own, so a killed agent (a node lost,
@@ -651,6 +651,7 @@ def _die_with_agent() -> None:
         sys.exit(f"the elastic agent (pid {agent}) died before this worker started")
 
 
+@record
 def main(argv: list[str] | None = None) -> None:
     _die_with_agent()
     args = sys.argv[1:] if argv is None else argv
