@@ -184,6 +184,8 @@ class TrainConfig:
                 "full-precision gradients: use algorithm=decentralized or compression=none"
             )
         self._check_model_fits_data()
+        if self.launch.nproc_per_node is not None:
+            self.dataset.check_partition(self.launch.world_sizes)
         self._check_phases()
         if self.algorithm == "decentralized" and self.launch.nproc_per_node is not None:
             self.topology.import_module()

@@ -324,6 +324,7 @@ def train(cfg: TrainConfig, run_dir: Path, device: torch.device, on_record: OnRe
         "world_size": world,
         "model/parameters": sum(p.numel() for p in trainable),
         "data/train_samples": data.train_size,
+        **data.shard_summary(world, batch_size),
         "batch_size": batch_size,
         "precision": cfg.precision,
         "steps": total_steps,
@@ -531,6 +532,9 @@ def _train_loop(job: Job, metrics: MetricLogger, on_record: OnRecord | None) -> 
                 "phase": algo.phase,
                 "phase/name": algo.phase_name,
                 "train/loss": (loss_total.sum() / micro_total.sum()).item(),
+                # The spread over workers: on heterogeneous shards (dataset.partition) each fits its own labels.
+                "train/loss_min_worker": (loss_total / micro_total).min().item(),
+                "train/loss_max_worker": (loss_total / micro_total).max().item(),
                 "train/lr": algo.lr(),
                 "throughput/samples_per_s": world * steps_in_window * samples_per_step / elapsed_w.max().item(),
                 # The slowest worker at its own pace (time blocked on its neighbours removed): exposes a straggler,

@@ -282,12 +282,8 @@ def test_stream_resumes_at_any_micro_batch(labels: Tensor, name: str) -> None:
 @pytest.mark.parametrize(("name", "kwargs"), [("iid", {}), ("shards", {}), ("classes", {"classes_per_worker": 3})])
 def test_batch_larger_than_a_shard_is_one_line(name: str, kwargs: dict) -> None:
     """Oracle: iid's behaviour (a ValueError naming the batch size and the worker's shard size); a fixed shard
-    smaller than one micro-batch must be refused the same way, naming the smallest shard's size.
-
-    KNOWN BUG (fails for shards and classes; left failing on purpose, not fixed here): only ``dirichlet`` passes
-    ``min_size`` to the split; ``TensorData._shard_batches`` (decent_train/components/data.py:285-286) assumes
-    "partition() made it >= 1" and runs ``divmod(start, 0)``: a bare ZeroDivisionError from the worker instead of
-    this one-line error."""
+    smaller than one micro-batch must be refused the same way, naming the smallest shard's size (dirichlet redraws
+    instead; shards and classes cannot)."""
     batch, world = 400, 4  # digits: 1438 training samples, shards of about 360 (classes: 284..448)
     data = build_datasets(DatasetConfig(name="digits", partition=name, **kwargs))
     assert isinstance(data, TensorData)

@@ -16,12 +16,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import BatchSampler, DistributedSampler, TensorDataset
+
+from decent_train.components.partition import PARTITIONS, Partition, Sharding, label_histograms
 
 DATASET_NAMES = ("digits", "synthetic", "npz", "cifar10", "cifar100", "imagefolder", "tokens")
 IMAGE_DATASETS = ("digits", "npz", "cifar10", "cifar100", "imagefolder")  # npz: usually; checked when loaded
@@ -48,6 +50,9 @@ class DatasetConfig:
     loader_workers: int = 4  # imagefolder: decoding processes per worker
     context_length: int = 1024  # tokens: tokens per sample (the model's context)
     vocab_size: int = 50304  # tokens: every token id must be below it
+    partition: str = "iid"  # iid | shards | dirichlet | classes: how the training set is dealt out (partition.py)
+    alpha: float = 0.5  # dirichlet: the concentration (small: few labels per worker, unequal shard sizes)
+    classes_per_worker: int = 2  # classes: the labels each worker holds
 
     def __post_init__(self) -> None:
         if self.name not in DATASET_NAMES:
@@ -66,6 +71,17 @@ class DatasetConfig:
             raise ValueError(f"dataset.loader_workers={self.loader_workers} must be >= 0")
         if self.download and self.name not in ("cifar10", "cifar100"):
             raise ValueError(f"dataset.download=true works for cifar10 and cifar100, not dataset={self.name}")
+        if self.partition not in PARTITIONS:
+            raise ValueError(f"dataset.partition={self.partition!r} is not a partition; valid: {', '.join(PARTITIONS)}")
+        if self.partition != "iid" and self.name in ("imagefolder", "tokens"):
+            raise ValueError(
+                f"dataset.partition={self.partition} needs the labels in memory; dataset={self.name} supports only iid "
+                "(in-memory datasets: digits, synthetic, npz, cifar10, cifar100)"
+            )
+        if self.alpha <= 0:
+            raise ValueError(f"dataset.alpha={self.alpha} must be > 0 (the Dirichlet concentration)")
+        if self.classes_per_worker < 1:
+            raise ValueError(f"dataset.classes_per_worker={self.classes_per_worker} must be >= 1")
         self.check_files()
 
     def check_files(self) -> None:
@@ -95,6 +111,23 @@ class DatasetConfig:
     @property
     def is_tokens(self) -> bool:
         return self.name == "tokens"
+
+    def sharding(self) -> Sharding:
+        return Sharding(self.partition, self.split_seed, self.alpha, self.classes_per_worker)
+
+    def check_partition(self, world_sizes: list[int]) -> None:
+        """``classes`` can serve each of ``world_sizes``: every class held by some worker (the labels are counted
+        from the config, or read from npz's y: no worker needed)."""
+        if self.partition != "classes":
+            return
+        classes = self.num_classes if self.name == "synthetic" else {"digits": 10, "cifar10": 10, "cifar100": 100}.get(
+            self.name) or _npz_classes(Path(self.root).expanduser() / "train.npz")  # type: ignore[arg-type]
+        for world in world_sizes:
+            if not 1 <= self.classes_per_worker <= classes or self.classes_per_worker * world < classes:
+                raise ValueError(
+                    f"dataset.classes_per_worker={self.classes_per_worker} with {world} workers and {classes} classes: "
+                    f"valid is {-(-classes // world)}..{classes} (every class held by some worker)"
+                )
 
 
 def layout(name: str) -> str:
@@ -131,6 +164,11 @@ class Datasets(ABC):
 
     def micro_batches_per_epoch(self, batch_size: int, world: int) -> int:
         return (self.train_size // world) // batch_size
+
+    def shard_summary(self, world: int, batch_size: int) -> dict[str, Any]:
+        """Each worker's part of the training set, for the start-up log and the run's config: here (iid) the size of
+        its share of each epoch; fixed shards add their label histograms."""
+        return {"data/partition": "iid", "data/shard_sizes": [self.train_size // world] * world}
 
     # The worker takes its batches from these two: the same batches, on the device. In-memory data overrides them to
     # copy what it stores and transform it there.
@@ -195,10 +233,39 @@ class TensorData(Datasets):
         self.input_shape = tuple(train.tensors[0].shape[1:])
         self.train_size = len(train)
 
+    sharding = Sharding()  # dataset.partition: build_datasets sets it
+
+    def partition(self, world: int, batch_size: int) -> Partition | None:
+        """The workers' fixed shards (None for iid): the same on every worker; a shard holds one micro-batch at least."""
+        if self.sharding.partition == "iid":
+            return None
+        partition = self.sharding.split(self.train.tensors[1], world, min_size=batch_size)
+        small = min(range(world), key=lambda r: len(partition.shards[r]))
+        if len(partition.shards[small]) < batch_size:  # dirichlet redraws instead; the others are what they are
+            raise ValueError(
+                f"batch_size={batch_size} is larger than worker {small}'s shard ({len(partition.shards[small])} samples "
+                f"of {self.train_size}, dataset.partition={self.sharding.partition} over {world} workers)"
+            )
+        return partition
+
+    def shard_summary(self, world: int, batch_size: int) -> dict[str, Any]:
+        partition = self.partition(world, batch_size)
+        if partition is None:
+            return super().shard_summary(world, batch_size)
+        return {
+            "data/partition": self.sharding.partition,
+            "data/shard_sizes": [len(s) for s in partition.shards],
+            "data/shard_labels": label_histograms(self.train.tensors[1], partition.shards, self.num_classes),
+        }
+
     def _stored_train_batches(
         self, batch_size: int, rank: int, world: int, seed: int, start: int
     ) -> Iterator[tuple[Tensor, Tensor, Optional[torch.Generator]]]:
         """Training batches as stored, each with its augmentation's generator (None without a transform)."""
+        partition = self.partition(world, batch_size)
+        if partition is not None:
+            yield from self._shard_batches(partition.shards[rank], batch_size, rank, seed, start)
+            return
         sampler = DistributedSampler(self.train, world, rank, shuffle=True, seed=seed, drop_last=True)
         batches = BatchSampler(sampler, batch_size, drop_last=True)
         if len(batches) == 0:
@@ -214,6 +281,20 @@ class TensorData(Datasets):
                     continue
                 x, y = self.train[indices]
                 # Augmentation: its own generator per batch, so a resume can skip.
+                yield x, y, None if self.transform is None else batch_generator(seed, rank, epoch, index)
+            epoch, skip = epoch + 1, 0
+
+    def _shard_batches(
+        self, shard: Tensor, batch_size: int, rank: int, seed: int, start: int
+    ) -> Iterator[tuple[Tensor, Tensor, Optional[torch.Generator]]]:
+        """A fixed shard's micro-batches, reshuffled within it each time it runs out (its own epochs: shards differ in
+        size); by seed, rank and that epoch, so a resume at micro-batch ``start`` takes the same ones."""
+        per_epoch = len(shard) // batch_size  # partition() made it >= 1
+        epoch, skip = divmod(start, per_epoch)
+        while True:
+            order = shard[torch.randperm(len(shard), generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))]
+            for index in range(skip, per_epoch):
+                x, y = self.train[order[index * batch_size : (index + 1) * batch_size]]
                 yield x, y, None if self.transform is None else batch_generator(seed, rank, epoch, index)
             epoch, skip = epoch + 1, 0
 
@@ -244,6 +325,13 @@ class TensorData(Datasets):
 
 
 def build_datasets(cfg: DatasetConfig) -> Datasets:
+    data = _build(cfg)
+    if isinstance(data, TensorData):
+        data.sharding = cfg.sharding()
+    return data
+
+
+def _build(cfg: DatasetConfig) -> Datasets:
     from decent_train.components import images, tokens
 
     if cfg.name == "digits":
@@ -307,6 +395,11 @@ def _load_npz(path: Path) -> tuple[Tensor, Tensor]:
     xt = torch.from_numpy(x)
     xt = xt.float().div_(255.0) if xt.dtype == torch.uint8 else xt.float()
     return xt, torch.from_numpy(y).long()
+
+
+def _npz_classes(path: Path) -> int:
+    with np.load(path) as arrays:
+        return int(arrays["y"].max()) + 1
 
 
 def _tensor_data(
