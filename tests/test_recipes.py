@@ -42,7 +42,7 @@ def has(config: dict[str, Any], expected: dict[str, Any]) -> bool:
 def test_recipes_exist() -> None:
     assert set(RECIPES) >= {
         "resnet50_imagenet", "resnet50_imagenet_allreduce", "gpt2_owt", "gpt2_owt_allreduce",
-        "resnet18_cifar10", "cpu_demo", "topology_sweep", "cpu_phases", "phases_sweep",
+        "resnet18_cifar10", "cpu_demo", "topology_sweep", "cpu_phases", "phases_sweep", "topology_study",
     }
 
 
@@ -171,6 +171,14 @@ def test_topology_sweep_runs_one_job_per_topology(tmp_path: Path) -> None:
     builtin = {"complete", "ring", "one-peer-exp", "alternating-exp-ring"}
     assert builtin <= set(topology_names())
     assert {OmegaConf.load(j).topology.name for j in jobs} == builtin and len(jobs) == len(builtin)
+
+
+def test_topology_study_runs_each_variant_with_three_seeds(tmp_path: Path) -> None:
+    jobs = [check_config(OmegaConf.load(j)) for j in dry_sweep("topology_study", tmp_path)]
+    runs = sorted((c.topology.name, c.global_avg_every, c.seed) for c in jobs)
+    variants = [("complete", 0), ("one-peer-exp", 0), ("ring", 0), ("ring", 10)]
+    assert runs == sorted((name, every, seed) for name, every in variants for seed in (0, 1, 2))
+    assert all((c.dataset.partition, c.dataset.alpha, c.launch.world_size) == ("dirichlet", 0.1, 8) for c in jobs)
 
 
 def test_cpu_phases_warms_up_with_allreduce_then_gossips() -> None:
