@@ -23,7 +23,13 @@ import torch
 from torch import Tensor
 from torch.utils.data import BatchSampler, DistributedSampler, TensorDataset
 
-from decent_train.components.partition import PARTITIONS, Partition, Sharding, label_histograms
+from decent_train.components.partition import (
+    PARTITIONS,
+    Partition,
+    Sharding,
+    check_classes_per_worker,
+    label_histograms,
+)
 
 DATASET_NAMES = ("digits", "synthetic", "npz", "cifar10", "cifar100", "imagefolder", "tokens")
 IMAGE_DATASETS = ("digits", "npz", "cifar10", "cifar100", "imagefolder")  # npz: usually; checked when loaded
@@ -123,11 +129,7 @@ class DatasetConfig:
         classes = self.num_classes if self.name == "synthetic" else {"digits": 10, "cifar10": 10, "cifar100": 100}.get(
             self.name) or _npz_classes(Path(self.root).expanduser() / "train.npz")  # type: ignore[arg-type]
         for world in world_sizes:
-            if not 1 <= self.classes_per_worker <= classes or self.classes_per_worker * world < classes:
-                raise ValueError(
-                    f"dataset.classes_per_worker={self.classes_per_worker} with {world} workers and {classes} classes: "
-                    f"valid is {-(-classes // world)}..{classes} (every class held by some worker)"
-                )
+            check_classes_per_worker(self.classes_per_worker, world, classes)
 
 
 def layout(name: str) -> str:
@@ -232,8 +234,7 @@ class TensorData(Datasets):
         self.train, self.test, self.num_classes, self.transform = train, test, num_classes, transform
         self.input_shape = tuple(train.tensors[0].shape[1:])
         self.train_size = len(train)
-
-    sharding = Sharding()  # dataset.partition: build_datasets sets it
+        self.sharding = Sharding()  # dataset.partition: build_datasets sets it
 
     def partition(self, world: int, batch_size: int) -> Partition | None:
         """The workers' fixed shards (None for iid): the same on every worker; a shard holds one micro-batch at least."""
@@ -288,7 +289,7 @@ class TensorData(Datasets):
         self, shard: Tensor, batch_size: int, rank: int, seed: int, start: int
     ) -> Iterator[tuple[Tensor, Tensor, Optional[torch.Generator]]]:
         """A fixed shard's micro-batches, reshuffled within it each time it runs out (its own epochs: shards differ in
-        size); by seed, rank and that epoch, so a resume at micro-batch ``start`` takes the same ones."""
+        size); by seed and that epoch, so a resume at micro-batch ``start`` takes the same ones."""
         per_epoch = len(shard) // batch_size  # partition() made it >= 1
         epoch, skip = divmod(start, per_epoch)
         while True:

@@ -64,11 +64,7 @@ def split(
     classes = int(y.max()) + 1
     by_class = [rng.permutation(np.flatnonzero(y == c)) for c in range(classes)]
     if partition == "classes":
-        if not 1 <= classes_per_worker <= classes or classes_per_worker * world < classes:
-            raise ValueError(
-                f"dataset.classes_per_worker={classes_per_worker} with {world} workers and {classes} classes: valid "
-                f"is {-(-classes // world)}..{classes} (every class held by some worker)"
-            )
+        check_classes_per_worker(classes_per_worker, world, classes)
         order = rng.permutation(classes)
         held = [[int(order[(r * classes_per_worker + j) % classes]) for j in range(classes_per_worker)]
                 for r in range(world)]
@@ -96,6 +92,15 @@ def split(
         f"always had fewer samples than one micro-batch of {min_size} (last: worker {smallest} with "
         f"{len(shards[smallest])}); use a larger alpha, fewer workers or smaller batches"
     )
+
+
+def check_classes_per_worker(classes_per_worker: int, world: int, classes: int) -> None:
+    """Every class must be held by some worker, and no worker can hold more classes than there are."""
+    if not 1 <= classes_per_worker <= classes or classes_per_worker * world < classes:
+        raise ValueError(
+            f"dataset.classes_per_worker={classes_per_worker} with {world} workers and {classes} classes: valid is "
+            f"{-(-classes // world)}..{classes} (every class held by some worker)"
+        )
 
 
 def label_histograms(labels: Tensor, shards: list[Tensor], classes: int) -> list[list[int]]:
