@@ -15,11 +15,13 @@ from PIL import Image
 from decent_train.launcher.plot import (
     THROUGHPUT,
     THROUGHPUT_MIN,
+    band,
     find_runs,
     load_runs,
     main,
     phase_changes,
     run_labels,
+    seed_groups,
     throughput,
 )
 
@@ -164,3 +166,23 @@ def test_phase_changes_are_the_last_record_of_each_phase(tmp_path: Path, capsys:
     no_phases = tmp_path / "plain"
     write_run(no_phases, ["topology=ring", *COMMON], 1.0)
     assert phase_changes(load_runs(no_phases)[0], "step") == []
+
+
+def test_a_sweep_over_seeds_is_one_line_per_setting_with_the_seeds_spread(tmp_path: Path) -> None:
+    """Two topologies x two seeds: grouped by topology, each drawn as the mean of its seeds (by hand from the scales
+    written) with their min and max; times, which differ per run, are averaged per step like the values."""
+    root = tmp_path / "seeds"
+    scales = {("complete", 0): 1.0, ("complete", 1): 3.0, ("ring", 0): 2.0, ("ring", 1): 4.0}
+    for job, ((topology, seed), scale) in enumerate(scales.items()):
+        write_run(root / str(job), [f"topology={topology}", f"seed={seed}", *COMMON], scale)
+    groups = seed_groups(load_runs(root))
+    assert [(label, len(runs)) for label, runs in groups] == [("topology=complete", 2), ("topology=ring", 2)]
+    xs, mean, low, high = band(groups[1][1], "step", "eval/accuracy")  # ring: accuracy 1 - scale / step
+    assert xs == [10, 20]
+    assert mean == pytest.approx([1 - 3.0 / 10, 1 - 3.0 / 20]) and low == pytest.approx([1 - 4 / 10, 1 - 4 / 20])
+    assert high == pytest.approx([1 - 2 / 10, 1 - 2 / 20])
+    times, _, _, _ = band(groups[0][1], "time/elapsed_s", "consensus/distance")
+    assert times[0] == pytest.approx(0.008 * 2.0 * 2)  # step 2: the mean of 0.008 x scale x step over scales 1 and 3
+    out = tmp_path / "plots"
+    main([str(root), "--out", str(out)])
+    assert_pngs(out, LINE_PNGS)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -109,19 +110,50 @@ def _save(fig: Figure, path: Path) -> None:
     print(path)
 
 
+def seed_groups(runs: list[Run]) -> list[tuple[str, list[Run]]]:
+    """Runs that differ only in ``seed=``, together (in first-seen order), labelled without it: a sweep over seeds is
+    drawn as one line per setting with the seeds' spread around it."""
+    groups: dict[str, list[Run]] = {}
+    for run in runs:
+        label = " ".join(t for t in run.label.split() if not re.fullmatch(r"seed=\S+", t)) or run.label
+        groups.setdefault(label, []).append(run)
+    return list(groups.items())
+
+
+def band(runs: list[Run], x_key: str, y_key: str) -> tuple[list[float], list[float], list[float], list[float]]:
+    """At each step that every run logged ``y_key`` (and ``x_key``) at: (the runs' mean x, and their mean, min and max
+    of y). Steps pair the runs' records, so an x of their own (time) is averaged like y."""
+    points = []
+    for run in runs:
+        pairs = ((r.get("step"), _number(r.get(x_key)), _number(r.get(y_key))) for r in run.records)
+        points.append({step: (x, y) for step, x, y in pairs if x is not None and y is not None})
+    steps = sorted(set(points[0]).intersection(*points[1:]))
+    xs = [sum(p[step][0] for p in points) / len(points) for step in steps]
+    ys = [[p[step][1] for p in points] for step in steps]
+    return xs, [sum(c) / len(c) for c in ys], [min(c) for c in ys], [max(c) for c in ys]
+
+
 def plot_lines(runs: list[Run], y_key: str, x_key: str, x_label: str, path: Path) -> bool:
-    """One line per run; False (nothing written) when no run has a point of ``y_key`` against ``x_key``."""
-    series = [(run, *_series(run, x_key, y_key)) for run in runs]
-    series = [s for s in series if s[1]]
-    if not series:
+    """One line per run, or per setting of a sweep over seeds (its mean, the seeds' min to max shaded); False
+    (nothing written) when no run has a point of ``y_key`` against ``x_key``."""
+    groups = [(label, [(run, *_series(run, x_key, y_key)) for run in group]) for label, group in seed_groups(runs)]
+    groups = [(label, [s for s in group if s[1]]) for label, group in groups]
+    groups = [(label, group) for label, group in groups if group]
+    if not groups:
         return False
     fig = Figure(figsize=(7, 4.5))
     ax = fig.add_subplot()
-    for run, xs, ys in series:
-        (line,) = ax.plot(xs, ys, label=run.label, marker="." if len(xs) < 30 else None)
-        for x in phase_changes(run, x_key):  # dotted: the end of a phase
+    for label, group in groups:
+        if len(group) == 1:
+            run, xs, ys = group[0]
+            (line,) = ax.plot(xs, ys, label=run.label, marker="." if len(xs) < 30 else None)
+        else:
+            xs, mean, low, high = band([run for run, _, _ in group], x_key, y_key)
+            (line,) = ax.plot(xs, mean, label=f"{label} ({len(group)} seeds)", marker="." if len(xs) < 30 else None)
+            ax.fill_between(xs, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+        for x in phase_changes(group[0][0], x_key):  # dotted: the end of a phase
             ax.axvline(x, color=line.get_color(), linestyle=":", alpha=0.7)
-    if y_key.startswith("consensus/") and all(y > 0 for _, _, ys in series for y in ys):
+    if y_key.startswith("consensus/") and all(y > 0 for _, group in groups for _, _, ys in group for y in ys):
         ax.set_yscale("log")  # the distance shrinks by orders of magnitude as the workers agree
     ax.set(xlabel=x_label, ylabel=y_key)
     ax.grid(alpha=0.3)
