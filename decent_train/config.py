@@ -282,10 +282,11 @@ class TrainConfig:
             return "allreduce"
         if not self.phases:
             return self.build_topology(None, world_size).label
-        return "phases: " + ", ".join(
-            ("allreduce" if mode == "allreduce" else self.build_topology(mode, world_size).label) + f" from step {start}"
+        labels = [
+            ("allreduce" if mode == "allreduce" else self.build_topology(mode, world_size).label, start)
             for start, mode in self.phase_starts()
-        )
+        ]
+        return "phases: " + ", ".join(f"{label} from step {start}" for label, start in labels)
 
     def build_topology(self, name: str | None = None, world_size: int | None = None) -> Topology:
         """The gossip schedule for ``world_size`` workers (default: the launch's; no process group needed); default

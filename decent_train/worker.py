@@ -311,7 +311,8 @@ def train(cfg: TrainConfig, run_dir: Path, device: torch.device, on_record: OnRe
         data_start = state.get("data_position", data_start)
         if checkpoint.world_size != world:
             saved_batch_size = state.get("batch_size") or cfg.batch_size_per_worker(checkpoint.world_size)
-            data_start = resharded_start(data, data_start, (checkpoint.world_size, saved_batch_size), (world, batch_size))
+            old, new = (checkpoint.world_size, saved_batch_size), (world, batch_size)
+            data_start = resharded_start(data, data_start, old, new)
             torch.manual_seed(cfg.seed + rank + 1_000_003 * start_step)  # fresh per worker: the files' were N others'
             logger.info(
                 f"resumed step {start_step} from {checkpoint.world_size} workers' checkpoint on {world} workers: "
@@ -351,7 +352,9 @@ def train(cfg: TrainConfig, run_dir: Path, device: torch.device, on_record: OnRe
     if rank == 0:
         torch.save({k: v.cpu() for k, v in algo.net.state_dict().items()}, run_dir / MODEL_FILE)
         (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
-        logger.info(f"done: eval/accuracy {result['eval/accuracy']:.4f}, {result['throughput/samples_per_s']:.0f} samples/s")
+        trained = result["train_time_s"] < math.inf  # else resumed from the final checkpoint: evaluated only
+        speed = f"{result['throughput/samples_per_s']:.0f} samples/s" if trained else "nothing left to train"
+        logger.info(f"done: eval/accuracy {result['eval/accuracy']:.4f}, {speed}")
     return result
 
 
@@ -392,7 +395,8 @@ def _restore(algo: Decentralized | AllReduce, state: dict[str, Any], device: tor
     from an average of other workers' states: each worker's generators were its own)."""
     algo.net.load_state_dict(state["model"])
     averaged_from = state.get("averaged_from")
-    algo.load_state_dict({**state["algorithm"], "averaged_from": averaged_from} if averaged_from else state["algorithm"])
+    algorithm_state = state["algorithm"]
+    algo.load_state_dict({**algorithm_state, "averaged_from": averaged_from} if averaged_from else algorithm_state)
     if not averaged_from:
         torch.set_rng_state(state["rng"])
         if device.type == "cuda" and state["cuda_rng"] is not None:

@@ -71,7 +71,10 @@ class Checkpoint:
         ``ModelConfig.architecture()``); None: it can. At the same world size the topology must be laid out the same
         way over the nodes; at another, only its name (and phases) must match."""
         theirs = self.manifest["topology"]
-        same = theirs == topology if self.world_size == world_size else _without_layout(theirs) == _without_layout(topology)
+        if self.world_size == world_size:
+            same = theirs == topology
+        else:
+            same = _without_layout(theirs) == _without_layout(topology)
         if not same:
             return (
                 f"{self.path} was written by {self.world_size} workers with topology {theirs!r}; this run has "

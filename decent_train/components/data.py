@@ -237,15 +237,15 @@ class TensorData(Datasets):
         self.sharding = Sharding()  # dataset.partition: build_datasets sets it
 
     def partition(self, world: int, batch_size: int) -> Partition | None:
-        """The workers' fixed shards (None for iid): the same on every worker; a shard holds one micro-batch at least."""
+        """The workers' fixed shards (None for iid): the same on every worker; each holds one micro-batch at least."""
         if self.sharding.partition == "iid":
             return None
         partition = self.sharding.split(self.train.tensors[1], world, min_size=batch_size)
         small = min(range(world), key=lambda r: len(partition.shards[r]))
         if len(partition.shards[small]) < batch_size:  # dirichlet redraws instead; the others are what they are
             raise ValueError(
-                f"batch_size={batch_size} is larger than worker {small}'s shard ({len(partition.shards[small])} samples "
-                f"of {self.train_size}, dataset.partition={self.sharding.partition} over {world} workers)"
+                f"batch_size={batch_size} is larger than worker {small}'s shard ({len(partition.shards[small])} "
+                f"samples of {self.train_size}, dataset.partition={self.sharding.partition} over {world} workers)"
             )
         return partition
 

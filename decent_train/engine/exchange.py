@@ -30,11 +30,11 @@ hierarchical node's stage) keeps one pair of copies, updated whenever it meets.
 
 Memory per bucket: two copies per distinct group of the period that the worker is in (ring: 2 pairs, 4 copies;
 one-peer-exp on n workers: 2 log2(n); complete and ring-3: 2; hierarchical: 2 per pair round + 2 for the node), plus
-one scratch buffer and the messages; no float buffer to receive into (the engine allocates none when compressing). ``copy_dtype=torch.bfloat16`` halves the pairs' copies:
-both ends round x̂ + D(q) to bfloat16 with the same operation on the same values, so the copies stay bit-identical and
-the mean exact; but a copy then follows x only to bfloat16's precision (2^-9 relative), which bounds how close the
-workers get (the consensus distance stalls near 2^-9 |x| instead of vanishing). A group's weighted sum is not one
-member's copy, so it stays in the parameters' dtype.
+one scratch buffer and the messages; no float buffer to receive into (the engine allocates none when compressing).
+``copy_dtype=torch.bfloat16`` halves the pairs' copies: both ends round x̂ + D(q) to bfloat16 with the same operation
+on the same values, so the copies stay bit-identical and the mean exact; but a copy then follows x only to bfloat16's
+precision (2^-9 relative), which bounds how close the workers get (the consensus distance stalls near 2^-9 |x|
+instead of vanishing). A group's weighted sum is not one member's copy, so it stays in the parameters' dtype.
 """
 
 from __future__ import annotations
@@ -276,8 +276,9 @@ class CompressedGossip:
 @dataclass(kw_only=True)
 class ExchangeBuffers:
     """A bucket's memory for its exchanges. ``flat`` holds the values exchanged (the parameters'), ``comm`` receives
-    the neighbours' values (a pair's) or their sum (a group's), and is empty with compression; ``staged`` (rounds of several stages, allocated when
-    first needed) holds the result of the stages done so far; ``compressed``, with compression, the public copies.
+    the neighbours' values (a pair's) or their sum (a group's), and is empty with compression; ``staged`` (rounds of
+    several stages, allocated when first needed) holds the result of the stages done so far; ``compressed``, with
+    compression, the public copies.
 
     ``comm_anchor`` is a view that keeps a second reference to ``comm`` (``flat`` has the parameters' views): gloo's
     worker thread may drop an asynchronous collective's work last, and releasing a tensor's last reference there takes

@@ -137,10 +137,13 @@ def _train(cfg: TrainConfig, run_dir: Path, config_path: Path) -> float:
     if os.environ.get("SLURM_NODEID", "0") == "0":  # on several nodes, one of them completes it
         result["wall_time_s"] = wall
         result_path.write_text(json.dumps(result, indent=2) + "\n")
+    if result["resumed_from_step"] < result["steps"]:
+        speed = f"{result['throughput/samples_per_s']:.0f} samples/s over"
+    else:  # resumed from the final checkpoint: only the evaluation was left
+        speed = "resumed at the end, evaluated on"
     print(
         f"decent-train: eval/accuracy {result['eval/accuracy']:.4f}, eval/loss {result['eval/loss']:.4f} after "
-        f"{result['steps']} steps; {result['throughput/samples_per_s']:.0f} samples/s over {result['world_size']} "
-        f"workers ({what}); {wall:.1f} s in all\n"
+        f"{result['steps']} steps; {speed} {result['world_size']} workers ({what}); {wall:.1f} s in all\n"
         f"  outputs: {run_dir}  ({MODEL_FILE}: the {'averaged' if cfg.final_average else 'rank 0'} model's state_dict; "
         f"{METRICS_FILE}, {RESULT_FILE}, logs/)",
         flush=True,
