@@ -113,7 +113,6 @@ class _Exchange:
     async_stage: int
     value: Tensor
     works: list[Any]
-    round_: int = 0  # the round of the period
 
 
 @dataclass(kw_only=True)
@@ -206,7 +205,7 @@ class DecentralizedDataParallel(nn.Module):
             the workers' mean is preserved exactly. None sends float parameters. All-reduce mode is never compressed.
         consensus_step: with compression, the step toward the neighbours' public copies (CHOCO's gamma, in (0, 1]).
         public_copy_dtype: with compression, the dtype of a pair's public copies (None: the parameters'):
-            ``torch.bfloat16`` halves their memory (time-varying topologies keep two per round of the period); the
+            ``torch.bfloat16`` halves their memory (two per distinct peer of the topology's period); the
             mean stays exact, but the workers then agree only to bfloat16's precision (engine/exchange.py).
     """
 
@@ -633,13 +632,13 @@ class DecentralizedDataParallel(nn.Module):
             self._wait_works(works, bucket, edge.ranks, "exchange")
             value = self._exchanger.finish(bucket, edge, value)
         works = self._exchanger.start(bucket, stages[async_stage], value)
-        bucket.pending = _Exchange(stages, async_stage, value, works, round_)
+        bucket.pending = _Exchange(stages, async_stage, value, works)
 
     def _mix_compressed(self, bucket: _Bucket, exchange: _Exchange) -> None:
         """Finish the stage in flight and run the ones after it, each a compressed gossip step on the round's value;
         a one-stage round steps the parameters in place (the adaptive factor scales the step), a staged one combines
         its result with the parameters at the end."""
-        stages, k, value, round_ = exchange.stages, exchange.async_stage, exchange.value, exchange.round_
+        stages, k, value = exchange.stages, exchange.async_stage, exchange.value
         if len(stages) == 1:
             edge, step = stages[0], self._consensus_step * self._adaptive_factor
             received = self._exchanger.received(bucket, edge)
@@ -918,7 +917,7 @@ class DecentralizedDataParallel(nn.Module):
                 bucket.comm.copy_(saved["received"])
                 value = bucket.flat if saved.get("staged") is None else bucket.staging().copy_(saved["staged"])
                 bucket.pending = _Exchange(
-                    self._phase.my_stages[round_], self._phase.async_stages[round_], value, [], round_
+                    self._phase.my_stages[round_], self._phase.async_stages[round_], value, []
                 )
 
     # -- accessors ----------------------------------------------------------------------------------------------
