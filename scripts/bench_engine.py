@@ -191,13 +191,14 @@ def implementations(
     ]
 
 
-def summarize(rates: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
-    """Per implementation: its samples/s, their median, min and max, and the median's ratios to the
-    communication-free loop's and DDP's (None where they were not measured)."""
+def summarize(rates: dict[str, list[float]], wire: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
+    """Per implementation: its samples/s, their median, min and max, the median's ratios to the communication-free
+    loop's and DDP's (None where they were not measured), and the median of its loopback bytes per step."""
     med = {name: statistics.median(r) for name, r in rates.items()}
     return {name: {"samples_per_s": r, "median": med[name], "min": min(r), "max": max(r),
                    "vs_local": med[name] / med["local"] if "local" in med else None,
-                   "vs_ddp": med[name] / med["ddp"] if "ddp" in med else None}
+                   "vs_ddp": med[name] / med["ddp"] if "ddp" in med else None,
+                   "wire_bytes_per_step": statistics.median(wire[name])}
             for name, r in rates.items()}
 
 
@@ -405,9 +406,7 @@ def main() -> None:
     phases = {name: phase_breakdown(step, batches, args.phases) for name, step in steps.items()} if args.phases else {}
 
     if rank == 0:
-        results = summarize(rates)
-        for name, r in results.items():
-            r["wire_bytes_per_step"] = statistics.median(wire[name])
+        results = summarize(rates, wire)
         med = {name: r["median"] for name, r in results.items()}
         ours_vs_dp = {
             t: med[f"decent_train/{t}"] / med[f"decent_dp/{t}"]

@@ -202,10 +202,8 @@ def run_separately(
              if all(name in run["results"] for run in runs)}
     skipped = {name: runs[0]["skipped"].get(name, "failed in some round") for name, runs in launches.items()
                if name not in rates}
-    results = bench_engine.summarize(rates)
-    for name, r in results.items():
-        r["wire_bytes_per_step"] = statistics.median(run["results"][name]["wire_bytes_per_step"]
-                                                     for run in launches[name])
+    wire = {name: [run["results"][name]["wire_bytes_per_step"] for run in launches[name]] for name in rates}
+    results = bench_engine.summarize(rates, wire)
     phases = {
         name: {phase: statistics.median(run["phases"][name][phase] for run in launches[name])
                for phase in bench_engine.PHASES}

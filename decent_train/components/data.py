@@ -36,6 +36,7 @@ IMAGE_DATASETS = ("digits", "npz", "cifar10", "cifar100", "imagefolder")  # npz:
 _NPZ_LAYOUT = "a directory with train.npz and test.npz, each holding arrays x (samples first) and y (integer labels)"
 
 Batch = tuple[Tensor, Tensor]
+DIGITS_CLASSES = 10  # scikit-learn's handwritten digits
 
 
 @dataclass
@@ -126,8 +127,16 @@ class DatasetConfig:
         from the config, or read from npz's y: no worker needed)."""
         if self.partition != "classes":
             return
-        classes = self.num_classes if self.name == "synthetic" else {"digits": 10, "cifar10": 10, "cifar100": 100}.get(
-            self.name) or _npz_classes(Path(self.root).expanduser() / "train.npz")  # type: ignore[arg-type]
+        from decent_train.components.images import CIFAR_CLASSES  # here: images imports torchvision lazily itself
+
+        if self.name == "synthetic":
+            classes = self.num_classes
+        elif self.name == "digits":
+            classes = DIGITS_CLASSES
+        elif self.name in CIFAR_CLASSES:
+            classes = CIFAR_CLASSES[self.name]
+        else:  # npz (tokens and imagefolder refuse every partition but iid)
+            classes = _npz_classes(Path(self.root).expanduser() / "train.npz")  # type: ignore[arg-type]
         for world in world_sizes:
             check_classes_per_worker(self.classes_per_worker, world, classes)
 

@@ -634,26 +634,6 @@ class DecentralizedDataParallel(nn.Module):
         works = self._exchanger.start(bucket, stages[async_stage], value)
         bucket.pending = _Exchange(stages, async_stage, value, works)
 
-    def _mix_compressed(self, bucket: _Bucket, exchange: _Exchange) -> None:
-        """Finish the stage in flight and run the ones after it, each a compressed gossip step on the round's value;
-        a one-stage round steps the parameters in place (the adaptive factor scales the step), a staged one combines
-        its result with the parameters at the end."""
-        stages, k, value = exchange.stages, exchange.async_stage, exchange.value
-        if len(stages) == 1:
-            edge, step = stages[0], self._consensus_step * self._adaptive_factor
-            received = self._exchanger.received(bucket, edge)
-            bucket.compressed.mix(value, value, edge, received, step)
-        else:
-            for j in range(k, len(stages)):
-                if j > k:
-                    works = self._exchanger.start(bucket, stages[j], value)
-                    self._wait_works(works, bucket, stages[j].ranks, "exchange")
-                value = self._exchanger.finish(bucket, stages[j], value)
-            if value is not bucket.flat:
-                bucket.flat.lerp_(value, self._adaptive_factor)
-        if not self._param_as_bucket_view:
-            torch._foreach_copy_([p.data for p in bucket.params], bucket.views)
-
     def _wait(self, bucket: _Bucket) -> _Exchange | None:
         exchange, bucket.pending = bucket.pending, None
         if exchange is not None:
@@ -675,9 +655,6 @@ class DecentralizedDataParallel(nn.Module):
         exchange = self._wait(bucket)
         if exchange is None:
             return
-        if bucket.compressed is not None:
-            self._mix_compressed(bucket, exchange)
-            return
         stages, k, value = exchange.stages, exchange.async_stage, exchange.value
         alpha, edge = self._adaptive_factor, stages[k]
         for edge in stages[k + 1 :]:  # the stages after the one in flight: first finish that, then run each
@@ -685,6 +662,16 @@ class DecentralizedDataParallel(nn.Module):
             works = self._exchanger.start(bucket, edge, value)
             self._wait_works(works, bucket, edge.ranks, "exchange")
             k += 1
+        if bucket.compressed is not None:  # the last stage is a compressed gossip step
+            if len(stages) == 1:  # on the parameters, in place: the adaptive factor scales the step
+                received = self._exchanger.received(bucket, edge)
+                bucket.compressed.mix(value, value, edge, received, self._consensus_step * alpha)
+            else:  # into ``staged``, then the parameters move toward the round's result
+                value = self._exchanger.finish(bucket, edge, value)
+                if value is not bucket.flat:
+                    bucket.flat.lerp_(value, alpha)
+            self._write_params(bucket)
+            return
         own, other = Exchanger.coefficients(edge)  # x_new = (1-alpha) x + alpha (own value + other comm)
         if hasattr(bucket.optimizer, "pre_average_hook"):  # one-stage rounds only (checked when the phase starts)
             # decent-dp's contract: comm_buffer holds neighbor * (sum over the group) when the hook runs. A pair's
@@ -701,9 +688,12 @@ class DecentralizedDataParallel(nn.Module):
             self._write_mix(bucket, value, alpha * own, alpha * other, keep=1.0 - alpha)
 
     def _write_mix(self, bucket: _Bucket, value: Tensor, own: float, other: float, keep: float | None = None) -> None:
-        """The round's result into ``flat`` (``Exchanger.combine``), then into the parameters (when they are not views
-        of flat)."""
+        """The round's result into ``flat`` (``Exchanger.combine``), then into the parameters."""
         self._exchanger.combine(bucket, value, own, other, keep)
+        self._write_params(bucket)
+
+    def _write_params(self, bucket: _Bucket) -> None:
+        """``flat`` into the parameters, when they are not views of it."""
         if not self._param_as_bucket_view:
             torch._foreach_copy_([p.data for p in bucket.params], bucket.views)
 
@@ -847,11 +837,7 @@ class DecentralizedDataParallel(nn.Module):
                         if bucket.pending is not None and bucket.pending.value is not bucket.flat
                         else None
                     ),
-                    "compressed": (
-                        {**bucket.compressed.state(), "incoming": [t.clone() for t in bucket.compressed.incoming]}
-                        if bucket.compressed is not None
-                        else None
-                    ),
+                    "compressed": bucket.compressed.state() if bucket.compressed is not None else None,
                 }
             )
         return {
@@ -911,7 +897,6 @@ class DecentralizedDataParallel(nn.Module):
                 raise ValueError("the engine state was saved with other compression settings than this engine's")
             if compressed is not None:
                 bucket.compressed.load(compressed)
-                torch._foreach_copy_(bucket.compressed.incoming, compressed["incoming"])
             if saved["received"] is not None:  # the exchange the last step launched, for this step's round
                 round_ = self._phase.round_of(self._step)
                 bucket.comm.copy_(saved["received"])
@@ -970,10 +955,8 @@ class DecentralizedDataParallel(nn.Module):
     @property
     def message_bytes(self) -> list[int]:
         """Bytes one exchange of each bucket sends to each peer: its ``bucket_bytes``, or the compressed message."""
-        return [
-            b.compressed.outgoing.numel() if b.compressed is not None else b.flat.numel() * b.flat.element_size()
-            for b in self._buckets
-        ]
+        return [b.compressed.outgoing.numel() if b.compressed is not None else nbytes
+                for b, nbytes in zip(self._buckets, self.bucket_bytes)]
 
     @property
     def bucket_names(self) -> list[list[str]]:

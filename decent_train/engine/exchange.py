@@ -262,7 +262,11 @@ class CompressedGossip:
         out.add_(copies.own, alpha=-step * (1.0 - copies.own_weight))
 
     def state(self) -> dict[str, Any]:
-        return {"copies": {group: (c.own.clone(), c.others.clone()) for group, c in self.copies.items()}}
+        """The copies, and the messages received (an exchange in flight is mixed in at the next step)."""
+        return {
+            "copies": {group: (c.own.clone(), c.others.clone()) for group, c in self.copies.items()},
+            "incoming": [t.clone() for t in self.incoming],
+        }
 
     def load(self, state: dict[str, Any]) -> None:
         if set(state["copies"]) != set(self.copies):
@@ -271,6 +275,7 @@ class CompressedGossip:
         for group, (own, others) in state["copies"].items():
             self.copies[group].own.copy_(own)
             self.copies[group].others.copy_(others)
+        torch._foreach_copy_(self.incoming, state["incoming"])
 
 
 @dataclass(kw_only=True)
