@@ -1,32 +1,46 @@
 """The run's config: one typed schema that composes every component's config.
 
-Hydra validates overrides against it while composing (a typo or a wrong type fails at once); ``__post_init__``
-checks values and their combinations (``check_config``), in the launcher before any worker starts and again in each
-worker when it loads ``resolved_config.yaml``.
+Defaults live here and in the components' ``*Config`` dataclasses, nowhere else: ``TrainConfig()`` is the default
+job. ``conf/train.yaml`` only picks one option per group; an option file (``conf/<group>/<option>.yaml``) sets its
+``name`` and the values in which that option differs from the dataclass (``optim=sgd``'s ``lr``), never a default;
+recipes override. ``tests/test_config.py`` holds the YAML to this.
+
+Hydra validates overrides against the schema while composing (a typo or a wrong type fails at once);
+``__post_init__`` checks values and their combinations (``check_config``), in the launcher and again in each worker
+when it loads ``resolved_config.yaml``. Checks that read files, import user modules or build topologies are the
+launcher's preflight (``decent_train.launcher.preflight``), run once before any worker starts.
 """
 
 from __future__ import annotations
 
 import importlib
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from decent_train.components.checkpoint import CheckpointConfig, complete_checkpoints
+from decent_train.components.checkpoint import CheckpointConfig
 from decent_train.components.data import IMAGE_DATASETS, DatasetConfig
 from decent_train.components.metrics import LoggerConfig
 from decent_train.components.models import ModelConfig
 from decent_train.components.optim import OptimConfig, SchedulerConfig
-from decent_train.engine.exchange import COMPRESSORS, make_compressor
+from decent_train.engine import ALLREDUCE
+from decent_train.engine.compress import COMPRESSORS, make_compressor
+from decent_train.engine.ddp import check_engine_arguments
 from decent_train.engine.topology import Topology, build_topology
-from decent_train.launcher.launch import LaunchConfig
 
-ALGORITHMS = ("decentralized", "allreduce")
+PHASE_ALGORITHMS = ("decentralized", ALLREDUCE)  # a phase's engine mode: gossip over a topology, or all-reduce
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # autocast dtypes
 IMAGE_MODELS = ("cnn", "resnet18", "resnet50")
+COPY_DTYPES = {"param": None, "bf16": torch.bfloat16}
+DEVICES = ("cpu", "cuda", "auto")
+# torch's c10d rendezvous defaults (dynamic_rendezvous.py), which the launch config's defaults keep.
+TORCH_LAST_CALL_S, TORCH_KEEP_ALIVE_S = 30, 5
+_NODE_RANGE = re.compile(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?")
 
 # What a run directory holds (the launcher, the worker and the plot command agree on these names).
 RESOLVED_CONFIG = "resolved_config.yaml"
@@ -36,15 +50,66 @@ MODEL_FILE = "model.pt"
 DIVERGED_FILE = "diverged.txt"  # why training stopped on a NaN/inf loss: restarted workers do not train again
 
 
+def engine_check(key: str, value: Any, check: Callable[[], object]) -> None:
+    """Run one of the engine's own argument checks on the config's ``key``: the same rule in both places, with an
+    error that names the config key."""
+    try:
+        check()
+    except ValueError as error:
+        raise ValueError(f"{key}={value}: {error}") from None
+
+
+@dataclass
+class AlgorithmConfig:
+    """``conf/algorithm/*.yaml``: how the workers train together. An algorithm with options of its own subclasses
+    this (``sync_every: int = 10``) and names the subclass in its traits (``@register(name, traits=...)``);
+    ``check_config`` then merges the job into that subclass, so its options are typed and checked like every other
+    group's."""
+
+    name: str = "decentralized"  # decentralized (the engine: gossip) | allreduce (torch DDP)
+
+
+@dataclass(frozen=True)
+class AlgorithmTraits:
+    """What the config's checks ask of an algorithm. The config sits below ``decent_train.algorithms`` and cannot
+    import it, so each algorithm states these here: the built-in ones in :data:`ALGORITHM_TRAITS`, others in their
+    own module (``@register(name, traits=...)`` of ``decent_train.algorithms.base``)."""
+
+    schema: type[AlgorithmConfig] = AlgorithmConfig  # its options
+    gossips: bool = False  # exchanges with its topology's neighbours: builds the topology; compression applies
+    takes_phases: bool = False  # runs in the engine, which switches between gossip and all-reduce (``phases``)
+
+
+ALGORITHM_TRAITS: dict[str, AlgorithmTraits] = {
+    "decentralized": AlgorithmTraits(gossips=True, takes_phases=True),
+    ALLREDUCE: AlgorithmTraits(),
+}
+
+
+def register_algorithm(name: str, traits: AlgorithmTraits) -> None:
+    """Make ``algorithm=name`` valid (its module calls this when imported; ``conf/algorithm/<name>.yaml`` picks it)."""
+    if not issubclass(traits.schema, AlgorithmConfig):
+        raise TypeError(f"algorithm {name!r}: its schema {traits.schema.__name__} must subclass AlgorithmConfig")
+    ALGORITHM_TRAITS[name] = traits
+
+
+def algorithm_traits(name: str) -> AlgorithmTraits:
+    """The traits of ``algorithm=name``; a ``ValueError`` naming the valid ones if there is no such algorithm."""
+    if name not in ALGORITHM_TRAITS:
+        raise ValueError(f"algorithm={name!r} is not an algorithm; valid: {', '.join(ALGORITHM_TRAITS)}")
+    return ALGORITHM_TRAITS[name]
+
+
 @dataclass
 class TopologyConfig:
-    """``conf/topology/*.yaml``: the gossip schedule (used by ``algorithm=decentralized``)."""
+    """``conf/topology/*.yaml``: the gossip schedule (used by algorithms that gossip)."""
 
     name: str = "ring"
     local_world_size: Optional[int] = None  # workers per node as the topology sees them; null: launch.nproc_per_node
     module: Optional[str] = None  # a module to import first: it registers custom topologies (@TopologyReg.register)
 
     def import_module(self) -> None:
+        """Import ``module`` (once; later calls are free), so that its topologies are registered."""
         if self.module:
             try:
                 importlib.import_module(self.module)
@@ -52,12 +117,9 @@ class TopologyConfig:
                 raise ValueError(f"topology.module={self.module!r} cannot be imported: {error}") from None
 
 
-COPY_DTYPES = {"param": None, "bf16": torch.bfloat16}
-
-
 @dataclass
 class CompressionConfig:
-    """``conf/compression/*.yaml``: what gossip sends (engine/exchange.py). ``none`` sends the parameters; ``bf16``
+    """``conf/compression/*.yaml``: what gossip sends (engine/compress.py). ``none`` sends the parameters; ``bf16``
     and ``int8`` send compressed differences to public copies (CHOCO-SGD), which keeps the workers' mean exact."""
 
     name: str = "none"  # none | bf16 | int8
@@ -65,13 +127,12 @@ class CompressionConfig:
     int8_block: int = 256  # int8: elements per float32 scale
     copy_dtype: str = "param"  # a pair's public copies: param (the parameters' dtype) | bf16 (half the memory)
 
-    def check(self) -> None:
+    def __post_init__(self) -> None:
         if self.name not in ("none", *COMPRESSORS):
             raise ValueError(f"compression={self.name!r} is not a compression; valid: none, {', '.join(COMPRESSORS)}")
-        if not 0.0 < self.consensus_step <= 1.0:
-            raise ValueError(f"compression.consensus_step={self.consensus_step} must be in (0, 1]")
-        if self.int8_block < 4 or self.int8_block % 4:
-            raise ValueError(f"compression.int8_block={self.int8_block} must be a positive multiple of 4")
+        step = self.consensus_step
+        engine_check("compression.consensus_step", step, lambda: check_engine_arguments(consensus_step=step))
+        engine_check("compression.int8_block", self.int8_block, lambda: make_compressor("int8", self.int8_block))
         if self.copy_dtype not in COPY_DTYPES:
             raise ValueError(f"compression.copy_dtype={self.copy_dtype!r}; valid: {', '.join(COPY_DTYPES)}")
 
@@ -98,7 +159,106 @@ class PhaseConfig:
 
     def mode(self, default_topology: str) -> str:
         """What the engine's ``switch_to`` takes: a topology name or "allreduce"."""
-        return "allreduce" if self.algorithm == "allreduce" else self.topology or default_topology
+        return ALLREDUCE if self.algorithm == ALLREDUCE else self.topology or default_topology
+
+
+@dataclass
+class SlurmConfig:
+    """``launch.slurm``: what each job of a SLURM sweep asks for (``-m hydra/launcher=slurm``, which reads these in
+    ``conf/hydra/launcher/slurm.yaml``). ``scripts/slurm_train.sbatch`` gets its allocation from sbatch instead."""
+
+    partition: Optional[str] = None  # null: the cluster's default partition
+    account: Optional[str] = None
+    time_min: int = 60  # the job's time limit, minutes
+    gpus_per_node: Optional[int] = None  # null: no GPUs (launch=gpu starts one worker per GPU the job gets)
+    cpus_per_task: Optional[int] = None  # CPUs per node (one task per node runs the torchrun agent); null: SLURM's
+    mem_gb: Optional[int] = None  # memory per node; null: SLURM's default
+
+    def __post_init__(self) -> None:
+        for key in ("time_min", "gpus_per_node", "cpus_per_task", "mem_gb"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"launch.slurm.{key}={value} must be >= 1")
+
+
+@dataclass
+class LaunchConfig:
+    """``conf/launch/*.yaml``: how many workers, on what, and how the elastic agent runs them (``launcher/launch.py``;
+    the schema lives here so that a worker loading its config never imports the launcher)."""
+
+    nproc_per_node: Optional[int] = 4  # workers per node; null: one per visible GPU
+    # N nodes, or torchrun's "MIN:MAX" (elastic: the workers restart when nodes leave or join; in a YAML file quote
+    # it, "1:2": YAML reads 1:2 as the base-60 number 62)
+    nnodes: Union[int, str] = 1
+    device: str = "cpu"  # cpu (gloo) | cuda (nccl, one GPU per worker) | auto (cuda when available)
+    max_restarts: int = 0  # the agent restarts all workers this many times after a failure
+    monitor_interval: float = 0.1  # seconds between the agent's checks of the workers
+    rdzv_endpoint: str = ""  # host:port of the c10d rendezvous; empty: standalone on this node
+    rdzv_id: str = ""  # empty: a fresh id per launch (several nodes must share one)
+    rdzv_last_call_s: int = TORCH_LAST_CALL_S  # once MIN nodes have joined, the rendezvous waits this long for more
+    rdzv_keep_alive_s: int = TORCH_KEEP_ALIVE_S  # agents' heartbeat; a node silent for 3 of them has left
+    threads_per_worker: Optional[int] = None  # OMP_NUM_THREADS of each worker; null: CPU cores / workers per node
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node is not None and self.nproc_per_node < 1:
+            raise ValueError(f"launch.nproc_per_node={self.nproc_per_node}: at least one worker per node is needed")
+        low, high = node_range(self.nnodes)
+        if low == high:
+            self.nnodes = low  # "2" or "2:2": a fixed number of nodes
+        if self.device not in DEVICES:
+            raise ValueError(f"launch.device={self.device!r} is not a device; valid: {', '.join(DEVICES)}")
+        if self.max_restarts < 0:
+            raise ValueError(f"launch.max_restarts={self.max_restarts} must be >= 0")
+        if high > 1 and not (self.rdzv_endpoint and self.rdzv_id):
+            # Each node's agent must find the others: the same endpoint and the same id (a fresh one per launch, or a
+            # free port of its own, would leave every agent in a world of its own).
+            raise ValueError(
+                f"launch.nnodes={self.nnodes} needs launch.rdzv_endpoint=HOST:PORT (the first node) and "
+                "launch.rdzv_id=ID, the same for every node"
+            )
+        for key in ("rdzv_last_call_s", "rdzv_keep_alive_s"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"launch.{key}={getattr(self, key)} must be >= 1 (whole seconds)")
+        if self.threads_per_worker is not None and self.threads_per_worker < 1:
+            raise ValueError(f"launch.threads_per_worker={self.threads_per_worker} must be >= 1")
+
+    @property
+    def min_nodes(self) -> int:
+        return node_range(self.nnodes)[0]
+
+    @property
+    def max_nodes(self) -> int:
+        return node_range(self.nnodes)[1]
+
+    @property
+    def elastic(self) -> bool:
+        """Nodes may leave (down to ``min_nodes``) or join (up to ``max_nodes``) while the job runs."""
+        return self.min_nodes != self.max_nodes
+
+    @property
+    def world_sizes(self) -> list[int]:
+        """Every number of workers the job may train with, smallest first: what the config must work for."""
+        assert self.nproc_per_node is not None, "nproc_per_node is resolved by the launcher"
+        return [k * self.nproc_per_node for k in range(self.min_nodes, self.max_nodes + 1)]
+
+    @property
+    def world_size(self) -> int:
+        """The number of workers with every node joined (``max_nodes``). An elastic job trains with any of
+        :attr:`world_sizes` at a time: checks go over all of them, and a worker's is ``dist.get_world_size()``."""
+        return self.world_sizes[-1]
+
+
+def node_range(nnodes: Union[int, str]) -> tuple[int, int]:
+    """``launch.nnodes`` as ``(MIN, MAX)`` nodes: ``N`` is ``(N, N)``, ``"MIN:MAX"`` torchrun's elastic range."""
+    match = _NODE_RANGE.fullmatch(str(nnodes))
+    low, high = (int(match[1]), int(match[2] or match[1])) if match else (0, 0)
+    if not 1 <= low <= high:
+        raise ValueError(
+            f"launch.nnodes={nnodes} is not a number of nodes; valid: N >= 1, or MIN:MAX with 1 <= MIN <= MAX "
+            "(elastic, e.g. 1:4)"
+        )
+    return low, high
 
 
 @dataclass
@@ -112,14 +272,23 @@ class RunInfo:
     sweep_dir: Optional[str] = None
 
 
+# TrainConfig's keys that are arguments of the engine too (its name for them): one check, the engine's.
+_ENGINE_ARGUMENTS = {
+    "grad_clip_norm": "grad_clip_norm",
+    "message_size_mb": "message_size_in_mb",
+    "comm_timeout_s": "timeout",
+    "global_avg_every": "global_avg_every",
+}
+
+
 @dataclass
 class TrainConfig:
-    """``conf/train.yaml``: the whole job."""
+    """The whole job; its defaults are the default job (``decent-train`` with no overrides)."""
 
-    algorithm: str = "decentralized"  # decentralized (the engine: gossip) | allreduce (torch DDP)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     seed: int = 0
     steps: int = 0  # optimizer steps; 0: run `epochs` epochs
-    epochs: float = 1.0
+    epochs: float = 40.0
     batch_size: int = 32  # per worker and micro-batch
     global_batch_size: Optional[int] = None  # samples per optimizer step over all workers; sets batch_size to it
     # divided by (workers x accum_steps), so a recipe keeps its batch on any number of workers
@@ -129,7 +298,7 @@ class TrainConfig:
     precision: str = "fp32"  # fp32 | bf16 | fp16: autocast; fp16 also scales the loss (a GradScaler)
     channels_last: bool = False  # CNNs: NHWC parameters and inputs (faster convolutions on tensor cores)
     compile: bool = False  # torch.compile the model (in place)
-    eval_every: int = 0  # optimizer steps between evaluations of the averaged model; 0: only at the end
+    eval_every: int = 100  # optimizer steps between evaluations of the averaged model; 0: only at the end
     eval_batch_size: int = 512
     bucket_size_mb: float = 25.0  # the engine's (and DDP's) bucket size
     message_size_mb: float = 0.0  # gossip pairs send a bucket in messages of this size; 0: one message (see README)
@@ -153,8 +322,26 @@ class TrainConfig:
     run: RunInfo = field(default_factory=RunInfo)
 
     def __post_init__(self) -> None:
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm={self.algorithm!r} is not an algorithm; valid: {', '.join(ALGORITHMS)}")
+        """Values and their combinations only: nothing here reads a file, imports a module or builds a topology."""
+        traits = algorithm_traits(self.algorithm.name)
+        self._check_sizes()
+        for key, argument in _ENGINE_ARGUMENTS.items():
+            value = getattr(self, key)
+            engine_check(key, value, lambda: check_engine_arguments(**{argument: value}))
+        if self.eval_every < 0 or self.bucket_size_mb <= 0 or self.pg_timeout_s <= 0:
+            raise ValueError(
+                f"eval_every={self.eval_every} must be >= 0, bucket_size_mb={self.bucket_size_mb} and pg_timeout_s="
+                f"{self.pg_timeout_s} > 0"
+            )
+        if self.compression.name != "none" and not traits.gossips:
+            raise ValueError(
+                f"compression={self.compression.name} compresses gossip; algorithm={self.algorithm.name} does not "
+                "gossip: use algorithm=decentralized or compression=none"
+            )
+        self._check_model_fits_data()
+        self._check_phases()
+
+    def _check_sizes(self) -> None:
         for key in ("batch_size", "accum_steps", "eval_batch_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
@@ -167,50 +354,20 @@ class TrainConfig:
                 self.batch_size_per_worker(world_size)
         if self.steps < 0 or (self.steps == 0 and self.epochs <= 0):
             raise ValueError(f"steps={self.steps}, epochs={self.epochs}: set steps >= 1, or steps=0 and epochs > 0")
-        if (self.eval_every < 0 or self.grad_clip_norm < 0 or self.message_size_mb < 0 or self.bucket_size_mb <= 0
-                or self.comm_timeout_s <= 0 or self.pg_timeout_s <= 0):
-            raise ValueError(
-                f"eval_every={self.eval_every}, grad_clip_norm={self.grad_clip_norm} and message_size_mb="
-                f"{self.message_size_mb} must be >= 0, "
-                f"bucket_size_mb={self.bucket_size_mb}, comm_timeout_s={self.comm_timeout_s} and pg_timeout_s="
-                f"{self.pg_timeout_s} > 0"
-            )
-        if self.global_avg_every < 0:
-            raise ValueError(f"global_avg_every={self.global_avg_every} must be >= 0 (0: never)")
-        self.compression.check()
-        if self.compression.name != "none" and self.algorithm != "decentralized":
-            raise ValueError(
-                f"compression={self.compression.name} compresses gossip; algorithm={self.algorithm} (torch DDP) sends "
-                "full-precision gradients: use algorithm=decentralized or compression=none"
-            )
-        self._check_model_fits_data()
-        if self.launch.nproc_per_node is not None:
-            self.dataset.check_partition(self.launch.world_sizes)
-        self._check_phases()
-        if self.algorithm == "decentralized" and self.launch.nproc_per_node is not None:
-            self.topology.import_module()
-            for name in {self.topology.name} | {p.mode(self.topology.name) for p in self.phases} - {"allreduce"}:
-                for world_size in self.launch.world_sizes:  # an elastic job's every size
-                    try:
-                        self.build_topology(name, world_size)
-                    except ValueError as error:
-                        raise ValueError(f"topology={name} with {world_size} workers: {error}") from None
-        if self.resume is not None:
-            self._check_resume()
 
     def _check_phases(self) -> None:
         if not self.phases:
             return
-        if self.algorithm != "decentralized":
+        if not algorithm_traits(self.algorithm.name).takes_phases:
             raise ValueError(
                 "phases run in the engine, which switches between gossip and its own gradient all-reduce; leave "
-                f"algorithm=decentralized (not {self.algorithm!r}) and give a phase algorithm: allreduce"
+                f"algorithm=decentralized (not {self.algorithm.name!r}) and give a phase algorithm: allreduce"
             )
         for i, phase in enumerate(self.phases):
             where = f"phases[{i}]"
-            if phase.algorithm not in ALGORITHMS:
-                raise ValueError(f"{where}.algorithm={phase.algorithm!r}; valid: {', '.join(ALGORITHMS)}")
-            if phase.algorithm == "allreduce" and phase.topology is not None:
+            if phase.algorithm not in PHASE_ALGORITHMS:
+                raise ValueError(f"{where}.algorithm={phase.algorithm!r}; valid: {', '.join(PHASE_ALGORITHMS)}")
+            if phase.algorithm == ALLREDUCE and phase.topology is not None:
                 raise ValueError(f"{where}: algorithm allreduce takes no topology (got topology={phase.topology!r})")
             last = i == len(self.phases) - 1
             if phase.steps is None and not last:
@@ -219,6 +376,29 @@ class TrainConfig:
                 raise ValueError(f"{where}.steps={phase.steps} must be >= 1 (or null in the last phase: until the end)")
         if self.steps:
             self.check_phases_fit(self.steps, f"steps={self.steps}")
+
+    def _check_model_fits_data(self) -> None:
+        model, dataset = self.model.name, self.dataset.name
+        if (model == "gpt2") != self.dataset.is_tokens:
+            wanted = "dataset=tokens" if model == "gpt2" else "a non-token dataset; a language model: model=gpt2"
+            raise ValueError(f"model={model} cannot train on dataset={dataset}: it needs {wanted}")
+        images = dataset in IMAGE_DATASETS or (dataset == "synthetic" and len(self.dataset.input_shape) == 3)
+        if model in IMAGE_MODELS and not images:
+            raise ValueError(
+                f"model={model} needs images (channels, height, width), but dataset={dataset} has "
+                f"dataset.input_shape={list(self.dataset.input_shape)}"
+            )
+
+    @property
+    def gossips(self) -> bool:
+        """The algorithm exchanges with the topology's neighbours (so the topology and compression apply)."""
+        return algorithm_traits(self.algorithm.name).gossips
+
+    def gossip_topologies(self) -> set[str]:
+        """Every topology the run gossips over (its own and its phases'); empty when the algorithm does not gossip."""
+        if not self.gossips:
+            return set()
+        return ({self.topology.name} | {p.mode(self.topology.name) for p in self.phases}) - {ALLREDUCE}
 
     def check_phases_fit(self, total_steps: int, run: str) -> None:
         """The last phase must start before the run ends (with ``epochs`` the step count is known only in the
@@ -233,35 +413,12 @@ class TrainConfig:
     def phase_starts(self) -> list[tuple[int, str]]:
         """(steps taken before it, engine mode) of each phase: [(0, topology or "allreduce"), ...]."""
         if not self.phases:
-            return [(0, self.topology.name if self.algorithm == "decentralized" else "allreduce")]
+            return [(0, self.topology.name if self.gossips else ALLREDUCE)]
         starts, taken = [], 0
         for phase in self.phases:
             starts.append((taken, phase.mode(self.topology.name)))
             taken += phase.steps or 0
         return starts
-
-    def _check_resume(self) -> None:
-        checkpoints = complete_checkpoints(Path(self.resume))
-        if not checkpoints:
-            raise ValueError(f"resume={self.resume} holds no complete checkpoint (checkpoints/step_*/manifest.json)")
-        if self.launch.nproc_per_node is not None:
-            mismatch = checkpoints[0].describe_mismatch(
-                self.launch.world_size, self.schedule(), self.model.architecture()
-            )
-            if mismatch:
-                raise ValueError(f"resume={self.resume}: {mismatch}")
-
-    def _check_model_fits_data(self) -> None:
-        model, dataset = self.model.name, self.dataset.name
-        if (model == "gpt2") != self.dataset.is_tokens:
-            wanted = "dataset=tokens" if model == "gpt2" else "a non-token dataset; a language model: model=gpt2"
-            raise ValueError(f"model={model} cannot train on dataset={dataset}: it needs {wanted}")
-        images = dataset in IMAGE_DATASETS or (dataset == "synthetic" and len(self.dataset.input_shape) == 3)
-        if model in IMAGE_MODELS and not images:
-            raise ValueError(
-                f"model={model} needs images (channels, height, width), but dataset={dataset} has "
-                f"dataset.input_shape={list(self.dataset.input_shape)}"
-            )
 
     def batch_size_per_worker(self, world_size: int) -> int:
         """``batch_size``, or the share of ``global_batch_size`` of each of ``world_size`` workers' micro-batches."""
@@ -278,29 +435,49 @@ class TrainConfig:
     def schedule(self, world_size: int | None = None) -> str:
         """What a checkpoint must have been trained with: the topology laid out over ``world_size`` workers' nodes
         (default: the launch's), or all-reduce, or the phases."""
-        if self.algorithm != "decentralized":
-            return "allreduce"
+        if not self.gossips:
+            return ALLREDUCE
         if not self.phases:
             return self.build_topology(None, world_size).label
         labels = [
-            ("allreduce" if mode == "allreduce" else self.build_topology(mode, world_size).label, start)
+            (ALLREDUCE if mode == ALLREDUCE else self.build_topology(mode, world_size).label, start)
             for start, mode in self.phase_starts()
         ]
         return "phases: " + ", ".join(f"{label} from step {start}" for label, start in labels)
 
     def build_topology(self, name: str | None = None, world_size: int | None = None) -> Topology:
         """The gossip schedule for ``world_size`` workers (default: the launch's; no process group needed); default
-        topology: ``topology.name``."""
+        topology: ``topology.name``. ``topology.module`` is imported first, so its topologies can be named."""
+        self.topology.import_module()
         local = self.topology.local_world_size or self.launch.nproc_per_node
         return build_topology(name or self.topology.name, world_size or self.launch.world_size, local)
 
 
 def check_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:
-    """Merge into the schema and check; raises ``ValueError`` (or an OmegaConf error) naming the bad value."""
-    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)
+    """Merge into the schema and check; raises ``ValueError`` (or an OmegaConf error) naming the bad value.
+
+    ``algorithm`` may be a bare name (``"allreduce"``, as configs written before it was a group have it); the job is
+    merged into the named algorithm's own options schema."""
+    algorithm = cfg.get("algorithm")
+    if isinstance(algorithm, str):
+        algorithm = {"name": algorithm}
+        if isinstance(cfg, DictConfig):
+            cfg = cfg.copy()
+            with open_dict(cfg):
+                cfg.algorithm = algorithm
+        else:
+            cfg = {**cfg, "algorithm": algorithm}
+    name = (algorithm or {}).get("name", AlgorithmConfig.name)
+    schema = OmegaConf.structured(TrainConfig)
+    schema.algorithm = OmegaConf.structured(algorithm_traits(name).schema)  # its own options, typed
+    merged = OmegaConf.merge(schema, cfg)
     return OmegaConf.to_object(merged)  # type: ignore[return-value]
 
 
-def load_config(path: Path) -> TrainConfig:
-    """A worker's view of the job: the resolved YAML the launcher wrote, checked again."""
-    return check_config(OmegaConf.load(path))
+def load_config(path: str | Path) -> TrainConfig:
+    """A worker's view of the job: the resolved YAML the launcher wrote, checked again, with ``topology.module``
+    imported when the algorithm gossips (the engine finds topologies by name in the registry it fills)."""
+    cfg = check_config(OmegaConf.load(path))
+    if cfg.gossips:
+        cfg.topology.import_module()
+    return cfg

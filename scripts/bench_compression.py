@@ -25,7 +25,7 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from decent_train.engine.exchange import (  # noqa: E402
+from decent_train.engine.compress import (  # noqa: E402
     BFloat16Compressor,
     CompressedGossip,
     Compressor,

@@ -56,7 +56,7 @@ from torch.autograd.profiler import record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # decent_train from this checkout, installed or not
 
-from decent_train.engine.exchange import COMPRESSORS  # noqa: E402
+from decent_train.engine.compress import COMPRESSORS  # noqa: E402
 
 Step = Callable[[Tensor, Tensor], None]
 

@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -151,20 +152,49 @@ def _held() -> int:
     return sum(1 for pg in c10d._world.pg_map if pg is not c10d._get_default_group())
 
 
+def bind_to_cpu() -> Callable[[], None]:
+    """Bind the default group to ``cpu:0``, the CPU's stand-in for NCCL bound to its GPU
+    (``init_process_group(device_id=...)``, as the worker joins): ``create_groups`` then splits the world with
+    ``dist.split_group``. Returns the function that undoes it (a forked worker that exits need not call it).
+
+    torch 2.13 and 2.14 refuse a CPU ``device_id`` and split only the backend of an accelerator, so the binding is
+    made here as ``init_process_group`` makes it (the group's ``bound_device_id``, its backend connected for that
+    device) and, until undone, ``torch.accelerator`` names the CPU in this process. ``new_group`` stays refused while
+    bound (it hands the CPU device to the same check).
+    """
+    device = torch.device("cpu", 0)
+    world = dist.group.WORLD
+    backend = world._get_backend(device)
+    world.bound_device_id = device
+    if backend.supports_splitting:
+        backend.eager_connect_single_device(device)
+    accelerator = torch.accelerator
+    is_available, current_accelerator = accelerator.is_available, accelerator.current_accelerator
+    accelerator.is_available = lambda: True  # type: ignore[assignment]
+    accelerator.current_accelerator = lambda check_available=False: device  # type: ignore[assignment]
+
+    def unbind() -> None:
+        accelerator.is_available, accelerator.current_accelerator = is_available, current_accelerator
+        world.bound_device_id = None
+
+    return unbind
+
+
 def fake_run(
     name: str, world: int, local: int, rank: int, approach: str, bound: bool, timeout: timedelta | None = None
 ) -> Measured:
     """One simulated rank of ``world`` on torch's fake backend (no communication), in this process; ``bound``: the
     default group bound to ``cpu:0``, as NCCL to its GPU (the old way's non-members then fail in torch 2.15)."""
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
-    from torch._C._distributed_c10d import FakeStore
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # and registers the "fake" backend
 
-    device = {"device_id": torch.device("cpu", 0)} if bound else {}
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world, **device)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    unbind = bind_to_cpu() if bound else None
     try:
         calls, seconds = _create(build_topology(name, world, local, rank), approach, timeout)
         return Measured(calls, _held(), seconds)
     finally:
+        if unbind is not None:
+            unbind()
         dist.destroy_process_group()
 
 
@@ -175,9 +205,10 @@ def _gloo_worker(
     try:
         torch.set_num_threads(1)
         store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=600))  # as torchrun
-        device = {"device_id": torch.device("cpu", 0)} if bound else {}
         timeout = timedelta(seconds=600)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout, **device)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+        if bound:
+            bind_to_cpu()  # for the life of this process
         approaches = ("new",) if bound else ("old", "new")
         rows = []  # [topology][approach][repeat] seconds; the approaches alternate
         for name, n, local in topologies:

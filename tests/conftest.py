@@ -1,3 +1,11 @@
+"""What every test module shares: the process setup below, and (as the suite is deduplicated) the helpers that more
+than one module uses, as fixtures. Helpers that run inside forked workers stay plain functions in tests/distributed.py
+and tests/replay.py (a fixture cannot be sent to a worker).
+
+Markers (pyproject.toml): ``slow`` (launches in new processes, or over 15 s; ``pytest -m "not slow"`` is the inner
+loop), ``gpu``, ``slurm``.
+"""
+
 import torch
 
 # Workers are forked from the test process: keep its intra-op pool single-threaded so no OpenMP state is inherited.

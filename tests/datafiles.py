@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from decent_train.components import images
+from decent_train.components.data import images
 
 CIFAR10_SIZES = {"data_batch_1": 3, "data_batch_2": 2, "data_batch_3": 4, "data_batch_4": 1, "data_batch_5": 2, "test_batch": 3}
 CIFAR100_SIZES = {"train": 5, "test": 3}

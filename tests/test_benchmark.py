@@ -17,6 +17,7 @@ from PIL import Image
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "benchmark.py"
 
 
+@pytest.mark.slow
 def test_benchmark_measures_every_implementation_and_draws_the_chart(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     proc = subprocess.run(
@@ -62,6 +63,7 @@ def test_benchmark_rate_without_root_says_what_it_needs(tmp_path: Path, monkeypa
             pass
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
     reason="a network namespace per worker needs root and iproute2",
@@ -82,6 +84,7 @@ def test_benchmark_with_a_link_per_worker(tmp_path: Path) -> None:
     assert not [n for n in namespaces if re.fullmatch(r"db\d+(s|w\d+)", n)]  # every namespace it made is gone
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
     reason="network namespaces need root and iproute2",
@@ -101,6 +104,7 @@ def test_a_launch_over_its_time_is_stopped_and_its_namespaces_removed(tmp_path: 
     assert not leftover, "a worker of the stopped launch is still running"
 
 
+@pytest.mark.slow
 def test_overhead_benchmark_runs_both_loops_on_cpu(tmp_path: Path) -> None:
     """The single-worker overhead mode, shrunk to run on CPU; on a GPU the defaults are ResNet-50 and GPT-2 small."""
     script = SCRIPT.parent / "bench_overhead.py"
@@ -120,6 +124,7 @@ def test_overhead_benchmark_runs_both_loops_on_cpu(tmp_path: Path) -> None:
     assert "| resnet50 |" in proc.stdout and "| gpt2 |" in proc.stdout
 
 
+@pytest.mark.slow
 def test_benchmark_runs_each_implementation_in_its_own_launch_in_turns(tmp_path: Path) -> None:
     """--launches separate: one launch per implementation and round, the implementations taking turns; the table is
     the median over rounds, with the optimizer, bucket size and per-phase profile asked for."""
@@ -153,6 +158,7 @@ def test_benchmark_runs_each_implementation_in_its_own_launch_in_turns(tmp_path:
     assert "per-phase ms/step" in proc.stdout and "| decent_train/ring |" in proc.stdout
 
 
+@pytest.mark.slow
 def test_compression_benchmark_prints_every_compressor() -> None:
     """scripts/bench_compression.py on a small vector: each compressor's message size against float32 by hand."""
     proc = subprocess.run(
@@ -168,6 +174,7 @@ def test_compression_benchmark_prints_every_compressor() -> None:
     assert {"int8-stochastic block 64", "int8-stochastic block 256"} <= set(rows)
 
 
+@pytest.mark.slow
 def test_time_to_accuracy_runs_real_jobs_and_reads_their_metrics(tmp_path: Path) -> None:
     """--time-to-accuracy: a real decent-train job per entry of --jobs; the time reported is that of the first
     evaluation at or above the target, as the job's own metrics.jsonl says."""

@@ -31,9 +31,10 @@ from decent_train import DecentralizedDataParallel, lr_scheduler_fn_cosine_with_
 from decent_train.components.checkpoint import complete_checkpoints
 from decent_train.components.data import build_datasets
 from decent_train.config import DIVERGED_FILE, MODEL_FILE, RESULT_FILE
+from decent_train.launcher.preflight import preflight
 from decent_train.engine.ddp import ExchangeError
 from decent_train.engine.optim import optim_fn_accum_adamw
-from decent_train.engine.utils import peers_must_answer
+from decent_train.engine.comm import peers_must_answer
 
 from .distributed import WorkerError, run_workers
 from .replay import loss_fn, make_model, replay, snapshot, topology_for
@@ -256,26 +257,27 @@ def test_corrupt_checkpoint_falls_back_to_the_one_before(uninterrupted: Path, tm
 
 def test_checkpoint_of_another_topology_is_refused(uninterrupted: Path) -> None:
     """Another world size is welcome (the workers start from the average), another topology is not."""
-    make_cfg(Path("/unused"), resume=str(uninterrupted), launch={"nproc_per_node": 4})
+    preflight(make_cfg(Path("/unused"), resume=str(uninterrupted), launch={"nproc_per_node": 4}))
     with pytest.raises(ValueError, match=r"was written by 2 workers with topology 'ring: 2 workers \(1 nodes x 2\)'; "
                                          r"this run has 4 workers with 'complete: 4 workers \(1 nodes x 4\)': resume "
                                          r"with the same topology$"):
-        make_cfg(Path("/unused"), resume=str(uninterrupted), launch={"nproc_per_node": 4}, topology={"name": "complete"})
+        preflight(make_cfg(Path("/unused"), resume=str(uninterrupted), launch={"nproc_per_node": 4},
+                           topology={"name": "complete"}))
     with pytest.raises(ValueError, match=r"this run has 2 workers with 'ring: 2 workers \(2 nodes x 1\)': resume with "
                                          r"the same topology, launch.nnodes and launch.nproc_per_node"):
-        make_cfg(Path("/unused"), resume=str(uninterrupted), topology={"local_world_size": 1})
+        preflight(make_cfg(Path("/unused"), resume=str(uninterrupted), topology={"local_world_size": 1}))
     with pytest.raises(ValueError, match=r"this run has 2 workers with 'allreduce'"):
-        make_cfg(Path("/unused"), resume=str(uninterrupted), algorithm="allreduce")
+        preflight(make_cfg(Path("/unused"), resume=str(uninterrupted), algorithm="allreduce"))
     with pytest.raises(ValueError, match="holds no complete checkpoint"):
-        make_cfg(Path("/unused"), resume="/no/such/run")
+        preflight(make_cfg(Path("/unused"), resume="/no/such/run"))
 
 
 def test_checkpoint_of_another_model_is_refused_by_name(uninterrupted: Path, tmp_path: Path) -> None:
     """Another model's settings: the launcher says which before any worker starts. Another dataset under the same
     settings (the input size differs): the worker names the first tensor that does not fit."""
     with pytest.raises(ValueError, match=r"holds another model \(model.hidden_sizes=\[32\] there, \[64\] here\): "):
-        make_cfg(Path("/unused"), resume=str(uninterrupted), model={"hidden_sizes": [64]})
-    make_cfg(Path("/unused"), resume=str(uninterrupted), model={"dropout": 0.1})  # dropout shapes nothing
+        preflight(make_cfg(Path("/unused"), resume=str(uninterrupted), model={"hidden_sizes": [64]}))
+    preflight(make_cfg(Path("/unused"), resume=str(uninterrupted), model={"dropout": 0.1}))  # dropout shapes nothing
     other_data = make_cfg(tmp_path, **CHECKPOINTED, resume=str(uninterrupted),
                           dataset={"name": "synthetic", "input_shape": [1, 4, 4], "num_samples": 256})
     first = next(iter(torch.load(uninterrupted / MODEL_FILE)))  # the model's first tensor: the input layer's weight
@@ -284,6 +286,7 @@ def test_checkpoint_of_another_model_is_refused_by_name(uninterrupted: Path, tmp
         run_workers(_train, WORLD, other_data)
 
 
+@pytest.mark.slow
 def test_launcher_refuses_a_mismatched_resume_before_any_worker(uninterrupted: Path, tmp_path: Path) -> None:
     proc = decent_train(f"resume={uninterrupted}", "launch.nproc_per_node=4", "topology=complete",
                         f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
@@ -328,6 +331,7 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_good_checkpoints(tmp_path:
     assert why.startswith(f"train/loss is NaN or infinite from step {first} on")
 
 
+@pytest.mark.slow
 def test_restarted_workers_do_not_train_into_the_same_nan_again(tmp_path: Path) -> None:
     """With launch.max_restarts the agent restarts the workers after a NaN: they stop at once, naming it."""
     dataset = _poisoned_data(tmp_path / "data")
@@ -378,6 +382,7 @@ def _hang(run_dir: Path, pid: int) -> None:
 FAULTS = {"killed": lambda run_dir, pid: os.kill(pid, signal.SIGKILL), "hanging": _hang}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_failed_worker_restarts_and_ends_like_an_uninterrupted_run(tmp_path: Path, fault: str) -> None:
     """Rank 1 is killed, or hangs until rank 0's exchange times out: the agent restarts both from the checkpoint."""
@@ -433,4 +438,4 @@ def test_phased_run_resumes_exactly_at_and_inside_a_phase(tmp_path: Path, crash_
 
 def test_a_checkpoint_from_another_phase_plan_is_refused(uninterrupted: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="phases: allreduce from step 0"):
-        make_cfg(tmp_path, **PHASED, resume=str(uninterrupted))
+        preflight(make_cfg(tmp_path, **PHASED, resume=str(uninterrupted)))

@@ -6,7 +6,7 @@ What aborted such runs: gloo runs each collective on a worker thread of its own,
 tensors, until it moves on. If that thread drops the last C++ reference to a tensor that has a Python object, it
 takes the GIL; when the script has meanwhile reached interpreter teardown, Python ends the waiting thread inside the
 work's destructor and the finished process dies of SIGABRT, "terminate called without an active exception"
-(engine/utils.py, run_collective). It takes a gloo thread that is scheduled late, so on an idle machine it is rare
+(engine/comm.py, run_collective). It takes a gloo thread that is scheduled late, so on an idle machine it is rare
 (about 1 launch in 40 to 1 in 300 here); on a loaded one it is not. Most launches here make that the rule: each rank
 runs on one CPU and gloo's worker threads get SCHED_IDLE (they run only when nothing else on their CPU wants to), what
 a busy machine does to them at the worst moment; the unfixed engine then aborts in about every other launch. Every
@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "user_scripts" / "decent_dp_style.py"
@@ -105,6 +107,7 @@ def _launch(
     return results, len(starved)
 
 
+@pytest.mark.slow
 def test_user_script_exits_cleanly_every_time(tmp_path):
     failures = []
     for launch in range(LAUNCHES):

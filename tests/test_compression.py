@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from decent_train import DecentralizedDataParallel, optim_fn_adam, optim_fn_sgd
-from decent_train.engine.exchange import BFloat16Compressor, CompressedGossip, Int8Compressor, make_compressor
+from decent_train.engine.compress import BFloat16Compressor, CompressedGossip, Int8Compressor, make_compressor
 from tests.distributed import run_workers
 from tests.replay import (
     batch,
@@ -37,15 +37,15 @@ def _gossip_perturbed(rank: int, world_size: int, topology: str, compression: st
                                     compression=None if naive else compression, local_world_size=local_world_size,
                                     **engine_kwargs)
     if naive:  # the receiver mixes Q(x_j) while the sender keeps x_j: a test helper, never an engine option
-        compressor, mix = make_compressor(compression), ddp._mix
+        compressor, mix = make_compressor(compression), ddp._mode.mix
 
         def naive_mix(bucket: Any) -> None:
             if bucket.pending is not None:
-                ddp._wait_keep(bucket)
+                ddp._context.complete_pending(bucket)
                 bucket.comm.copy_(round_trip(compressor, bucket.comm))
             mix(bucket)
 
-        ddp._mix = naive_mix
+        ddp._mode.mix = naive_mix
     generator = torch.Generator().manual_seed(100 + rank)
     with torch.no_grad():
         for p in ddp.parameters():
@@ -54,9 +54,9 @@ def _gossip_perturbed(rank: int, world_size: int, topology: str, compression: st
     for step in range(steps):
         x, y = batch(rank, step)
         ((ddp(x) - y) ** 2).mean().backward()
-    in_flight = ddp._phase.round_of(ddp._step)  # its own copies moved at launch, its peer's at the next mix
+    in_flight = ddp._mode.round_of(ddp.step_count)  # its own copies moved at launch, its peer's at the next mix
     pairs = {}  # each settled pair round's peer and copies (own, others), by bucket
-    for r, stages in enumerate(ddp._phase.my_stages):
+    for r, stages in enumerate(ddp._mode.my_stages):
         if not naive and stages[0].size == 2 and r != in_flight:
             held = [b.compressed.copies[CompressedGossip.key(stages[0])] for b in ddp._buckets]
             peer = next(j for j in stages[0].ranks if j != rank)

@@ -4,6 +4,8 @@ refused with a message naming them; the config ships inside the wheel."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -12,10 +14,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 
-from decent_train.config import TrainConfig, check_config
-from decent_train.launcher.cli import shipped_dir
-from decent_train.launcher.launch import LaunchConfig, torchrun_command
+from decent_train.config import (
+    ALGORITHM_TRAITS,
+    AlgorithmConfig,
+    AlgorithmTraits,
+    LaunchConfig,
+    TrainConfig,
+    check_config,
+    load_config,
+    register_algorithm,
+)
+from decent_train.launcher.cli import describe_error, shipped_dir
+from decent_train.launcher.preflight import preflight
+from decent_train.launcher.launch import torchrun_command
 
 from .datafiles import write_cifar, write_image_folder, write_token_files
 
@@ -59,6 +74,7 @@ def test_every_option_composes_and_checks(group: str, option: str, data_dirs: di
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
     checked = check_config(cfg)
+    preflight(checked)
     assert getattr(checked, group).__class__ is type(getattr(TrainConfig(), group))
     if "name" in cfg[group]:
         assert getattr(checked, group).name == option
@@ -102,20 +118,134 @@ def test_every_option_composes_and_checks(group: str, option: str, data_dirs: di
          "power-of-two number of nodes"),
         ({"global_avg_every": -1}, "global_avg_every=-1"),
         ({"compression": {"name": "int4"}}, "compression='int4' is not a compression; valid: none, bf16, int8"),
-        ({"compression": {"name": "int8", "consensus_step": 1.5}}, "compression.consensus_step=1.5 must be in (0, 1]"),
+        ({"compression": {"name": "int8", "consensus_step": 1.5}}, "compression.consensus_step=1.5: consensus_step must be in (0, 1]"),
         ({"compression": {"name": "int8", "int8_block": 6}}, "compression.int8_block=6"),
         ({"compression": {"name": "int8", "copy_dtype": "fp16"}}, "compression.copy_dtype='fp16'; valid: param, bf16"),
         ({"compression": {"name": "bf16"}, "algorithm": "allreduce"}, "compression=bf16 compresses gossip"),
     ],
 )
 def test_bad_values_name_themselves(override: dict, fragment: str) -> None:
+    """What the launcher runs before any worker: the config's checks, then the preflight (files, topologies)."""
     with pytest.raises(ValueError, match=None) as error:
-        check_config(override)
+        preflight(check_config(override))
     assert fragment in str(error.value)
+
+
+PREFLIGHT_ONLY = [  # what needs the disk, the user's code or a topology built: the launcher's preflight, not the schema
+    ({"dataset": {"name": "tokens", "root": "/no/such/dir"}, "model": {"name": "gpt2"}}, "/no/such/dir"),
+    ({"topology": {"name": "torus"}}, "unknown topology 'torus'"),
+    ({"topology": {"module": "no_such_module_here"}}, "topology.module='no_such_module_here'"),
+    ({"launch": {"nproc_per_node": 3}, "phases": [{"steps": 5}, {"topology": "one-peer-exp"}]},
+     "topology=one-peer-exp with 3 workers"),
+    ({"dataset": {"partition": "classes", "classes_per_worker": 1}, "launch": {"nproc_per_node": 4}}, "10 classes"),
+]
+
+
+@pytest.mark.parametrize("override,fragment", PREFLIGHT_ONLY)
+def test_schema_checks_values_only_and_preflight_the_rest(override: dict, fragment: str) -> None:
+    cfg = check_config(override)  # a worker loading its config reads no file and imports no user module
+    with pytest.raises(ValueError, match=None) as error:
+        preflight(cfg)
+    assert fragment in str(error.value)
+
+
+USER_TOPOLOGY = """
+from decent_train import Edge, Topology, TopologyReg
+
+@TopologyReg.register("everyone")
+class Everyone(Topology):
+    def _get_topo_edges(self):
+        return [[Edge(list(range(self._world_size)))]]
+"""
+
+
+@pytest.mark.slow  # two new interpreters
+def test_a_topology_module_is_imported_by_the_preflight_and_by_a_worker(tmp_path: Path) -> None:
+    """In a new interpreter (the registry is global): the launcher's preflight imports ``topology.module`` to build
+    its topology; a worker loading the resolved config imports it too, before the engine asks for the name."""
+    (tmp_path / "my_topologies.py").write_text(USER_TOPOLOGY)
+    script = (
+        "import sys; from omegaconf import OmegaConf\n"
+        "from decent_train.config import check_config, load_config\n"
+        "from decent_train.engine.topology import topology_names\n"
+        "from decent_train.launcher.preflight import preflight\n"
+        "cfg = check_config({'topology': {'name': 'everyone', 'module': 'my_topologies'}})\n"
+        "assert 'everyone' not in topology_names()  # checking values imports nothing\n"
+        "preflight(cfg)\n"
+        "OmegaConf.save(OmegaConf.structured(cfg), sys.argv[1])\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    resolved = tmp_path / "resolved_config.yaml"
+    subprocess.run([sys.executable, "-c", script, str(resolved)], check=True, env=env, capture_output=True)
+    worker = (
+        "import sys; from decent_train.config import load_config; from decent_train import topology_names\n"
+        "cfg = load_config(sys.argv[1]); print('everyone' in topology_names(), cfg.build_topology().label)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", worker, str(resolved)], check=True, env=env, capture_output=True, text=True)
+    assert out.stdout.startswith("True everyone: 4 workers")
+
+
+def test_defaults_have_one_source() -> None:
+    """The dataclasses hold every default: the default job composes to ``TrainConfig()``, and no option file repeats
+    a default (it sets its ``name`` and what makes it that option)."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        job = OmegaConf.to_container(compose("train"))
+    assert job == OmegaConf.to_container(OmegaConf.structured(TrainConfig))
+    schema = OmegaConf.structured(TrainConfig)
+    for group, option in OPTIONS:
+        values = OmegaConf.load(CONF / group / f"{option}.yaml")
+        values.pop("defaults", None)
+        default = schema[group]
+        repeated = [key for key in values if key != "name" and key in default and values[key] == default[key]]
+        assert not repeated, f"conf/{group}/{option}.yaml repeats the schema's defaults of {repeated}"
+
+
+def test_algorithm_is_a_group_and_a_bare_name_still_works() -> None:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = check_config(compose("train", overrides=["algorithm=allreduce"]))
+    assert cfg.algorithm == AlgorithmConfig(name="allreduce") and not cfg.gossips
+    for old in ({"algorithm": "allreduce"}, OmegaConf.create({"algorithm": "allreduce"})):  # configs of earlier runs
+        assert check_config(old).algorithm == AlgorithmConfig(name="allreduce")
+    with pytest.raises(ValueError, match=r"algorithm='gossip' is not an algorithm; valid: decentralized, allreduce"):
+        check_config({"algorithm": {"name": "gossip"}})
+
+
+@dataclasses.dataclass
+class _LocalConfig(AlgorithmConfig):
+    name: str = "local"
+    sync_every: int = 10
+
+    def __post_init__(self) -> None:
+        if self.sync_every < 1:
+            raise ValueError(f"algorithm.sync_every={self.sync_every} must be >= 1")
+
+
+def test_an_algorithm_with_options_is_a_schema_and_one_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What an algorithm's module does (register its options' schema and traits) plus its conf/algorithm file make
+    ``algorithm=local algorithm.sync_every=3`` typed and checked, on the command line and in a worker's reload."""
+    monkeypatch.setitem(ALGORITHM_TRAITS, "local", AlgorithmTraits())
+    register_algorithm("local", AlgorithmTraits(schema=_LocalConfig, gossips=True))
+    ConfigStore.instance().store(group="algorithm_schema", name="local", node=_LocalConfig)  # as the CLI does
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    local_yaml = "defaults:\n  - /algorithm_schema/local@_here_\n  - _self_\nname: local\n"
+    (conf / "algorithm" / "local.yaml").write_text(local_yaml)
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = check_config(compose("train", overrides=["algorithm=local", "algorithm.sync_every=3"]))
+        with pytest.raises(ConfigCompositionException) as error:
+            compose("train", overrides=["algorithm=local", "algorithm.sync_evry=3"])
+    assert describe_error(error.value) == "algorithm.sync_evry is not a key; valid in algorithm: name, sync_every"
+    assert cfg.algorithm == _LocalConfig(sync_every=3) and cfg.gossips
+    OmegaConf.save(OmegaConf.structured(cfg), tmp_path / "resolved_config.yaml")  # what a worker reloads
+    assert load_config(tmp_path / "resolved_config.yaml").algorithm == cfg.algorithm
+    assert check_config({"algorithm": "local"}).algorithm == _LocalConfig()
+    with pytest.raises(ValueError, match="algorithm.sync_every=0 must be >= 1"):
+        check_config({"algorithm": {"name": "local", "sync_every": 0}})
 
 
 def test_allreduce_ignores_the_topology() -> None:
     cfg = check_config({"algorithm": "allreduce", "topology": {"name": "one-peer-exp"}, "launch": {"nproc_per_node": 3}})
+    preflight(cfg)  # one-peer-exp cannot be laid out over 3 workers, but no topology is built
     assert cfg.launch.world_size == 3
 
 

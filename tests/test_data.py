@@ -12,8 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from decent_train.components import images, tokens
-from decent_train.components.data import DatasetConfig, build_datasets, prepare
+from decent_train.components.data import DatasetConfig, build_datasets, images, prepare, tokens
 
 from .datafiles import CIFAR10_SIZES, TRAIN_FILES, VAL_FILES, write_cifar, write_image_folder, write_token_files
 
@@ -178,25 +177,38 @@ def test_cifar_layout_errors_name_the_path_and_the_layout(tmp_path: Path) -> Non
     layout = images.CIFAR_LAYOUT["cifar10"]
     assert "cifar-10-batches-py" in layout and "data_batch_1" in layout and "test_batch" in layout
     missing = tmp_path / "nowhere"
-    _error([str(missing), layout], lambda: DatasetConfig(name="cifar10", root=str(missing)))
+    _error([str(missing), layout], lambda: DatasetConfig(name="cifar10", root=str(missing)).check_files())
     _error(["dataset.root"], lambda: DatasetConfig(name="cifar10"))
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    _error([str(empty / "cifar-10-batches-py"), "data_batch_1", layout], lambda: DatasetConfig(name="cifar10", root=str(empty)))
-    _error([str(empty / "cifar-100-python"), images.CIFAR_LAYOUT["cifar100"]], lambda: DatasetConfig(name="cifar100", root=str(empty)))
+    _error([str(empty / "cifar-10-batches-py"), "data_batch_1", layout],
+           lambda: DatasetConfig(name="cifar10", root=str(empty)).check_files())
+    _error([str(empty / "cifar-100-python"), images.CIFAR_LAYOUT["cifar100"]],
+           lambda: DatasetConfig(name="cifar100", root=str(empty)).check_files())
 
     root = tmp_path / "no3"
     write_cifar(root, "cifar10")
     (root / "cifar-10-batches-py" / "data_batch_3").unlink()
-    message = _error([str(root / "cifar-10-batches-py"), layout], lambda: DatasetConfig(name="cifar10", root=str(root)))
+    message = _error([str(root / "cifar-10-batches-py"), layout],
+                     lambda: DatasetConfig(name="cifar10", root=str(root)).check_files())
     assert re.search(r"lacks data_batch_3;", message), message
 
     root = tmp_path / "text"
     write_cifar(root, "cifar10")
     (root / "cifar-10-batches-py" / "test_batch").write_text("not a pickle at all\n")
     _error([str(root / "cifar-10-batches-py" / "test_batch"), "not a pickle", layout],
-           lambda: DatasetConfig(name="cifar10", root=str(root)))
+           lambda: DatasetConfig(name="cifar10", root=str(root)).check_files())
+
+
+@pytest.mark.parametrize("name", ["npz", "cifar10", "imagefolder", "tokens"])
+def test_files_are_checked_by_check_files_and_build_not_by_construction(tmp_path: Path, name: str) -> None:
+    """Constructing the config reads no disk (the launcher's preflight calls ``check_files``); a worker that builds
+    the data anyway gets the same one-line error naming the path."""
+    missing = tmp_path / "nowhere"
+    cfg = DatasetConfig(name=name, root=str(missing))
+    message = _error([str(missing)], cfg.check_files)
+    assert _error([str(missing)], lambda: build_datasets(cfg)) == message
 
 
 @pytest.mark.parametrize(
@@ -214,7 +226,8 @@ def test_malformed_cifar_pickle_is_rejected_on_load(tmp_path: Path, entry: dict,
     bad = tmp_path / "cifar-10-batches-py" / "data_batch_4"
     with open(bad, "wb") as stream:
         pickle.dump(entry, stream, protocol=2)
-    cfg = DatasetConfig(name="cifar10", root=str(tmp_path))  # the cheap check only reads headers: accepted
+    cfg = DatasetConfig(name="cifar10", root=str(tmp_path))
+    cfg.check_files()  # the cheap check only reads headers: accepted
     _error([str(bad), images.CIFAR_LAYOUT["cifar10"], *words], lambda: build_datasets(cfg))
 
 
@@ -223,11 +236,11 @@ def test_download_only_for_cifar(tmp_path: Path) -> None:
     token_root.mkdir()
     tokens.write_tokens(token_root / "train.bin", np.arange(20))
     tokens.write_tokens(token_root / "val.bin", np.arange(20))
-    DatasetConfig(name="tokens", root=str(token_root), context_length=4)  # valid without download
+    DatasetConfig(name="tokens", root=str(token_root), context_length=4).check_files()  # valid without download
     for name in ("tokens", "imagefolder", "npz", "digits", "synthetic"):
         _error(["download", name], lambda: DatasetConfig(name=name, root=str(token_root), context_length=4, download=True))
     # cifar with download=true: a missing directory is accepted (the launcher fetches it) ...
-    DatasetConfig(name="cifar10", root=str(tmp_path / "later"), download=True)
+    DatasetConfig(name="cifar10", root=str(tmp_path / "later"), download=True).check_files()
     # ... and prepare() leaves data that is already there alone (no network needed).
     write_cifar(tmp_path / "here", "cifar10")
     before = {p: p.read_bytes() for p in (tmp_path / "here").rglob("*") if p.is_file()}
@@ -328,14 +341,14 @@ def test_image_folder_with_a_loader_process(tmp_path: Path) -> None:
 def test_image_folder_layout_errors_name_the_path(tmp_path: Path) -> None:
     layout = images.IMAGE_FOLDER_LAYOUT
     missing = tmp_path / "nowhere"
-    _error([str(missing), layout], lambda: _folder_cfg(missing))
+    _error([str(missing), layout], lambda: _folder_cfg(missing).check_files())
 
     root = tmp_path / "noval"
     write_image_folder(root)
     for path in sorted((root / "val").rglob("*"), reverse=True):
         path.rmdir() if path.is_dir() else path.unlink()
     (root / "val").rmdir()
-    _error([str(root), "val/", layout], lambda: _folder_cfg(root))
+    _error([str(root), "val/", layout], lambda: _folder_cfg(root).check_files())
 
     root = tmp_path / "flat"
     write_image_folder(root)
@@ -343,18 +356,19 @@ def test_image_folder_layout_errors_name_the_path(tmp_path: Path) -> None:
         for file in (root / "train" / cls).iterdir():
             file.rename(root / "train" / f"{cls}_{file.name}")
         (root / "train" / cls).rmdir()
-    _error([str(root / "train"), "class folders", layout], lambda: _folder_cfg(root))
+    _error([str(root / "train"), "class folders", layout], lambda: _folder_cfg(root).check_files())
 
     root = tmp_path / "classes"
     write_image_folder(root)
     (root / "val" / "dog").rename(root / "val" / "bird")
-    _error([str(root), "bird", "dog", layout], lambda: _folder_cfg(root))
+    _error([str(root), "bird", "dog", layout], lambda: _folder_cfg(root).check_files())
 
     root = tmp_path / "noimages"
     write_image_folder(root)
     for file in (root / "val" / "dog").iterdir():
         file.rename(root / "val" / "dog" / (file.name + ".txt"))  # a class folder without any image
-    cfg = _folder_cfg(root)  # the cheap check lists folders only
+    cfg = _folder_cfg(root)
+    cfg.check_files()  # the cheap check lists folders only
     _error([str(root), layout], lambda: build_datasets(cfg))
 
 
@@ -476,22 +490,22 @@ def test_token_file_errors_name_the_path(tmp_path: Path) -> None:
     root = tmp_path / "noval"
     write_token_files(root)
     (root / "val.bin").unlink()
-    _error([str(root), "val.bin", layout], lambda: _token_cfg(root))
+    _error([str(root), "val.bin", layout], lambda: _token_cfg(root).check_files())
 
     root = tmp_path / "odd"
     write_token_files(root)
     with open(root / "train.bin", "ab") as stream:
         stream.write(b"\x01")
-    _error([str(root / "train.bin"), "2001 bytes", layout], lambda: _token_cfg(root))
+    _error([str(root / "train.bin"), "2001 bytes", layout], lambda: _token_cfg(root).check_files())
 
     root = tmp_path / "short"
     write_token_files(root, n_val=CTX)
-    _error([str(root / "val.bin"), str(CTX + 1)], lambda: _token_cfg(root))
+    _error([str(root / "val.bin"), str(CTX + 1)], lambda: _token_cfg(root).check_files())
     write_token_files(root, n_val=CTX + 1)  # exactly one window: fine
     assert sum(len(x) for x, _ in build_datasets(_token_cfg(root)).eval_batches(4, 0, 1)) == 1
 
     missing = tmp_path / "nowhere"
-    _error([str(missing)], lambda: _token_cfg(missing))
+    _error([str(missing)], lambda: _token_cfg(missing).check_files())
 
 
 @pytest.mark.parametrize("split", ["train.bin", "val.bin"])
@@ -504,5 +518,6 @@ def test_token_ids_must_be_below_the_vocabulary(tmp_path: Path, split: str) -> N
     build_datasets(_token_cfg(tmp_path, vocab_size=100))  # the largest id below the vocabulary is fine
     ids[len(ids) // 2] = 100
     ids.astype("<u2").tofile(path)
-    cfg = _token_cfg(tmp_path, vocab_size=100)  # accepted by the cheap check ...
+    cfg = _token_cfg(tmp_path, vocab_size=100)
+    cfg.check_files()  # accepted by the cheap check ...
     _error([str(path), "100", "vocab_size"], lambda: build_datasets(cfg))  # ... rejected on load

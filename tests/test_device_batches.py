@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import BatchSampler, DistributedSampler, TensorDataset
 
-from decent_train.components import images
+from decent_train.components.data import images
 from decent_train.components.data import (
     Batch,
     DatasetConfig,

@@ -20,9 +20,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from decent_train.config import check_config
+from decent_train.config import LaunchConfig, check_config, node_range
 from decent_train.launcher.cli import shipped_dir
-from decent_train.launcher.launch import LaunchConfig, node_range, torchrun_command
+from decent_train.launcher.launch import torchrun_command
 
 from .test_cli import COMMAND, check_succeeded
 from .test_slurm import SBATCH_SCRIPT, script_env
@@ -120,6 +120,7 @@ def test_elastic_torchrun_command() -> None:
     assert not any(a.startswith("--rdzv-conf") for a in torchrun_command(LaunchConfig(**ELASTIC), Path("c.yaml")))
 
 
+@pytest.mark.slow
 def test_sbatch_dry_run_with_min_nodes_runs_an_elastic_range(tmp_path: Path) -> None:
     proc = subprocess.run(
         ["bash", str(SBATCH_SCRIPT), "launch.nproc_per_node=2", "launch.max_restarts=2"],
@@ -226,6 +227,7 @@ def step(checkpoint: Path) -> int:
     return int(checkpoint.name.removeprefix("step_"))
 
 
+@pytest.mark.slow
 def test_a_lost_node_restarts_the_others_from_the_last_checkpoint(tmp_path: Path) -> None:
     """nnodes 1:2, two agents x two workers on localhost; one agent is killed with SIGKILL on its process group after
     the first checkpoint, as a node's death would. Its workers go with it, and the other agent's two workers go on

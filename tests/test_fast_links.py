@@ -19,7 +19,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from decent_train import DecentralizedDataParallel
-from decent_train.engine.utils import PairPoster, _PostedBatch
+from decent_train.engine.comm import PairPoster, _PostedBatch
 from tests.distributed import run_workers
 from tests.replay import SEED, SGD, loss_fn, make_model, max_deviation, replay, snapshot, topology_for
 

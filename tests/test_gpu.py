@@ -498,6 +498,7 @@ def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+@pytest.mark.slow
 @gpu_test
 @pytest.mark.skipif(DEVICE.type == "cuda" and _gpus() < 2,
                     reason=f"NCCL with 2 processes needs 2 GPUs; {_gpus()} visible")
@@ -519,6 +520,7 @@ def test_nccl_two_processes_match_replay() -> None:
 PLANNED_STEPS = ["[env]", "[tests]", "[overhead-bf16]", "[overhead-fp16]", "[summary]"]
 
 
+@pytest.mark.slow
 def test_gpu_check_script_skip_mode_says_what_it_would_run(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_CHECK_")} | {"CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path / "out")], cwd=ROOT,

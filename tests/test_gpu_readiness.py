@@ -19,7 +19,8 @@ from torch import nn
 
 from decent_train import DecentralizedDataParallel, ExchangeError
 from decent_train.components.metrics import ConsensusProbe
-from decent_train.engine.utils import CommWaits
+from decent_train.engine.comm import CommWaits
+from decent_train.engine.membership import Membership
 from decent_train.launcher.launch import check_devices, default_threads_per_worker
 from tests.distributed import run_workers
 
@@ -212,7 +213,7 @@ def test_engine_records_its_stall_through_the_waits() -> None:
 def _join_as_the_worker_and_wait(rank: int, port: int, path: str) -> None:
     """A forked worker: join as ``decent_train.worker`` does, then a barrier and an exchange that wait 3 s for rank 1."""
     from decent_train.config import TrainConfig
-    from decent_train.worker import init_distributed
+    from decent_train.runtime import init_distributed
 
     outcome = "no error"
     try:
@@ -366,20 +367,21 @@ def test_the_gpu_exchange_group_carries_the_limit_and_gives_the_same_results(mon
 
     def run(rank: int, world: int, forced: bool) -> dict:
         if forced:
-            DecentralizedDataParallel._group_timeout = property(lambda self: self._timeout)  # type: ignore[method-assign]
+            Membership.engine_group_timeout = lambda self, device: self.timeout  # type: ignore[method-assign]
         out = {}
         for topology in ("ring", "allreduce"):
             engine = DecentralizedDataParallel(mlp(), lambda n: torch.optim.SGD([p for _, p in n], lr=0.1),
                                                topology=topology, timeout=7)
             train(engine, 3, rank)
             out[topology] = torch.cat([p.detach().flatten() for p in engine.parameters()])
-            out[f"{topology}_world_edge_uses_the_exchange_group"] = engine._exchange_group is not None and all(
-                e.group is engine._exchange_group for stages in engine._phase.my_stages for e in stages
+            exchange_group, stages = engine._members.exchange_group, getattr(engine._mode, "my_stages", [])
+            out[f"{topology}_world_edge_uses_the_exchange_group"] = exchange_group is not None and all(
+                e.group is exchange_group for edges in stages for e in edges
             )  # ring at 3 is one group of every rank each round: no second copy of the world
-            groups = [e.group for stages in engine._phase.my_stages for e in stages if e.group is not None]
+            groups = [e.group for edges in stages for e in edges if e.group is not None]
             out[f"{topology}_timeouts"] = [
                 g._get_backend(torch.device("cpu")).options._timeout
-                for g in groups + ([engine._exchange_group] if engine._exchange_group is not None else [])
+                for g in groups + ([exchange_group] if exchange_group is not None else [])
             ]
         return out
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from decent_train import build_topology
 from decent_train.components.metrics import allreduce_bytes_per_step, gossip_bytes_per_step
-from decent_train.worker import train
+from decent_train.training import train
 
 from .distributed import run_workers
 from .test_worker import make_cfg, records

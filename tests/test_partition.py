@@ -23,9 +23,10 @@ from torch import Tensor
 from torch.utils.data import BatchSampler, DistributedSampler, TensorDataset
 
 from decent_train.components.data import DatasetConfig, TensorData, build_datasets
-from decent_train.components.partition import MAX_DRAWS, Partition, Sharding, label_histograms, split
+from decent_train.components.data.partition import MAX_DRAWS, Partition, Sharding, label_histograms, split
 from decent_train.config import TrainConfig, check_config
-from decent_train.worker import train
+from decent_train.launcher.preflight import preflight
+from decent_train.training import train
 
 from .datafiles import write_image_folder, write_token_files
 from .distributed import run_workers
@@ -405,7 +406,7 @@ def _file_datasets(tmp_path: Path) -> dict[str, dict[str, Any]]:
         "imagefolder": {"name": "imagefolder", "root": str(tmp_path / "images"), "image_size": 32},
     }
     for dataset in datasets.values():
-        DatasetConfig(**dataset)  # valid as iid
+        DatasetConfig(**dataset).check_files()  # valid as iid
     return datasets
 
 
@@ -435,14 +436,14 @@ def test_bad_partition_is_one_line_naming_the_value(case: str) -> None:
     """Oracle: the documented message, on one line."""
     override, fragment = BAD[case]
     with pytest.raises(ValueError) as error:
-        check_config(override)
+        preflight(check_config(override))
     assert fragment in str(error.value) and "\n" not in str(error.value)
 
 
 def test_classes_at_the_edges_of_its_range_are_accepted() -> None:
     """Oracle: 4 workers x 3 classes and 1 worker x 10 cover 10 classes; the check must not refuse them."""
-    assert check_config({"dataset": {"partition": "classes", "classes_per_worker": 3}, "launch": {"nproc_per_node": 4}})
-    assert check_config({"dataset": {"partition": "classes", "classes_per_worker": 10}, "launch": {"nproc_per_node": 1}})
+    preflight(check_config({"dataset": {"partition": "classes", "classes_per_worker": 3}, "launch": {"nproc_per_node": 4}}))
+    preflight(check_config({"dataset": {"partition": "classes", "classes_per_worker": 10}, "launch": {"nproc_per_node": 1}}))
 
 
 @pytest.mark.parametrize("name", ["tokens", "imagefolder"])
@@ -456,6 +457,7 @@ def test_streamed_datasets_refuse_a_fixed_partition(tmp_path: Path, name: str) -
     assert "\n" not in message
 
 
+@pytest.mark.slow
 def test_cli_unknown_partition_is_one_line_before_any_worker(tmp_path: Path) -> None:
     """Oracle: the CLI's contract for bad input (exit 2, one ``decent-train: error:`` line, nothing launched)."""
     run_dir = tmp_path / "run"

@@ -20,7 +20,7 @@ from decent_train import DecentralizedDataParallel, optim_fn_adam
 from decent_train.components.checkpoint import complete_checkpoints, load_latest_checkpoint, save_checkpoint
 from decent_train.components.data import DatasetConfig, build_datasets
 from decent_train.config import RESULT_FILE
-from decent_train.worker import resharded_start
+from decent_train.training.resume import resharded_start
 
 from .distributed import run_workers
 from .replay import loss_fn, make_model
@@ -127,6 +127,7 @@ def test_resharded_data_continues_the_epoch_where_the_old_workers_stopped() -> N
     assert old.total() == new.total() == 160 and old + new == both
 
 
+@pytest.mark.slow
 def test_cli_continues_a_4_worker_checkpoint_on_2_and_8_workers(tmp_path: Path) -> None:
     """The default job, checkpointed by 4 workers at step 300 of 600, continued with resume= on 2 and on 8."""
     source = tmp_path / "source"

@@ -66,6 +66,7 @@ def parameters(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_sbatch_job_trains_like_the_local_command(slurm: dict[str, str], tmp_path: Path) -> None:
     job_id = sbatch("--cpus-per-task=2", str(SBATCH_SCRIPT), *JOB, env=slurm, cwd=tmp_path)
@@ -90,6 +91,7 @@ def test_sbatch_job_trains_like_the_local_command(slurm: dict[str, str], tmp_pat
         assert torch.equal(on_slurm[name], here[name]), name
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_sbatch_job_with_a_bad_override_fails_with_the_error(slurm: dict[str, str], tmp_path: Path) -> None:
     job_id = sbatch("--cpus-per-task=1", str(SBATCH_SCRIPT), "topology=tree", env=slurm, cwd=tmp_path)
@@ -100,6 +102,7 @@ def test_sbatch_job_with_a_bad_override_fails_with_the_error(slurm: dict[str, st
     assert not (tmp_path / "outputs" / "slurm" / job_id / "logs").exists()  # no worker started
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_submitit_sweep_runs_each_job_on_slurm(slurm: dict[str, str], tmp_path: Path) -> None:
     sweep_dir = tmp_path / "sweep"
@@ -121,6 +124,7 @@ def test_submitit_sweep_runs_each_job_on_slurm(slurm: dict[str, str], tmp_path: 
         assert line in script, script
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_submitit_job_that_fails_ends_the_sweep_with_its_error(slurm: dict[str, str], tmp_path: Path) -> None:
     # Values are checked in the job, on its node (composition errors stop the sweep before any submission).
@@ -142,6 +146,7 @@ def script_env(**extra: str) -> dict[str, str]:
     return env | extra
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("per_node", "workers", "device"),
     [({"GPUS_PER_NODE": "8"}, 8, "cuda"), ({}, 2, "cpu")],  # CPU nodes: launch.nproc_per_node=2 overrides the CPUs

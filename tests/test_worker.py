@@ -21,7 +21,7 @@ from decent_train.components.data import Datasets, build_datasets
 from decent_train.components.models import build_model
 from decent_train.components.optim import make_optim_fn, make_scheduler_fn
 from decent_train.config import METRICS_FILE, MODEL_FILE, PRECISIONS, RESULT_FILE, TrainConfig, check_config
-from decent_train.worker import train
+from decent_train.training import train
 
 from .datafiles import write_token_files
 from .distributed import run_workers

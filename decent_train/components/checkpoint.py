@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
-from decent_train.engine.utils import peers_must_answer
+from decent_train.engine.comm import peers_must_answer
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"

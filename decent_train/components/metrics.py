@@ -21,7 +21,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from decent_train.engine.topology import Topology
-from decent_train.engine.utils import peers_must_answer, run_collective
+from decent_train.engine.comm import peers_must_answer, run_collective
 
 LEVELS = ("TRACE", "DEBUG", "INFO", "SUCCESS", "WARNING", "ERROR")
 WANDB_MODES = ("offline", "online", "disabled")

@@ -23,7 +23,7 @@ _SHAPE_KEYS = {  # the settings that shape each model (dropout does not)
 class ModelConfig:
     """``conf/model/*.yaml``."""
 
-    name: str = "mlp"
+    name: str = "cnn"
     hidden_sizes: list[int] = field(default_factory=lambda: [128, 128])  # mlp: width of each hidden layer
     channels: list[int] = field(default_factory=lambda: [32, 64])  # cnn: output channels of each conv block
     dropout: float = 0.0  # mlp, cnn and gpt2

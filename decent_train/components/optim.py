@@ -34,7 +34,7 @@ class OptimConfig:
     """``conf/optim/*.yaml``. Weight decay applies to tensors of 2 or more dimensions only (not biases, norms)."""
 
     name: str = "accum_adamw"
-    lr: float = 1e-3
+    lr: float = 3e-3
     weight_decay: float = 0.1
     beta1: float = 0.9  # adam family
     beta2: float = 0.999
@@ -61,7 +61,7 @@ class SchedulerConfig:
     name: str = "cosine"
     warmup_steps: int = 0
     warmup_epochs: float = 0.0  # used when warmup_steps is 0
-    warmup_fraction: float = 0.0  # used when warmup_steps and warmup_epochs are 0: a share of the run's steps
+    warmup_fraction: float = 0.05  # used when warmup_steps and warmup_epochs are 0: a share of the run's steps
     warmup_start: float = 0.01  # the warmup starts at this fraction of the learning rate
     min_lr: float = 1e-6
 

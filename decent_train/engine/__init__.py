@@ -1,12 +1,7 @@
 """The engine: DecentralizedDataParallel, its topologies and optimizers."""
 
-from decent_train.engine.ddp import (
-    ALLREDUCE,
-    LR_SCHEDULER_FN_TYPE,
-    OPTIM_FN_TYPE,
-    DecentralizedDataParallel,
-    ExchangeError,
-)
+from decent_train.engine.compat import LR_SCHEDULER_FN_TYPE, OPTIM_FN_TYPE, initialize_dist
+from decent_train.engine.ddp import ALLREDUCE, DecentralizedDataParallel, ExchangeError
 from decent_train.engine.optim import (
     AccumAdam,
     AccumAdamW,
@@ -26,7 +21,6 @@ from decent_train.engine.topology import (
     register_topology,
     topology_names,
 )
-from decent_train.engine.utils import initialize_dist
 
 __all__ = [
     "ALLREDUCE",

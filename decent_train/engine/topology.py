@@ -243,21 +243,12 @@ class Topology:
         """Give this rank a process group for each of its groups of >= 3 ranks (collective: every rank, same
         ``timeout``).
 
-        With the default group bound to a device (``init_process_group(device_id=...)``, as the worker binds NCCL),
-        each ``new_group`` splits the world's communicator, non-members included (576 splits for alternating-exp-ring
-        at 128 nodes x 8); there one ``dist.split_group`` per stage partition with groups not made yet does it (14),
-        each rank keeping only its own group. Unbound (gloo, NCCL without ``device_id``) ``new_group`` involves only
-        a group's members, and a split would cost every rank a store connection per call, so every rank makes each
-        group in turn. Not ``use_local_synchronization=True``: torch 2.15 hangs with it on overlapping groups (ring
-        at odd sizes: members name a group after a counter that advances only in the groups a rank joined).
-
-        Without ``timeout`` the groups take the default group's (init_process_group's; torch would give them 30
-        minutes on gloo), so a group spanning the world is the default group itself (``group=None``), not a copy. A
-        ``timeout`` that differs makes that group too: on the default group a hung exchange would run to its longer
-        limit (NCCL's watchdog enforces the group's limit, not the wait's). ``world_group``, a group of every rank
-        that the caller made with ``timeout`` already, serves that group instead of another copy of the world.
-
-        ``edge.group`` stays None for pairs (point-to-point on the default group) and for other ranks' groups.
+        A default group bound to a device splits the world's communicator once per stage partition
+        (``dist.split_group``); unbound, every rank makes each group in turn with ``new_group``. Without ``timeout``
+        the groups take the default group's, and a group spanning the world is the default group itself;
+        ``world_group`` (every rank, made with ``timeout``) serves that group instead of another copy of the world.
+        ``edge.group`` stays None for pairs (point-to-point on the default group) and for other ranks' groups. Why
+        each of these choices: ARCHITECTURE.md, "Process groups".
         """
         rank = dist.get_rank()
         world_timeout = _default_group_timeout()

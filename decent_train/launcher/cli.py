@@ -24,26 +24,29 @@ from loguru import logger
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+import decent_train.algorithms  # noqa: F401 - registers every algorithm, and the schema of its options
 from decent_train.components.data import prepare as prepare_data
 from decent_train.config import (
+    ALGORITHM_TRAITS,
     METRICS_FILE,
     MODEL_FILE,
     RESOLVED_CONFIG,
     RESULT_FILE,
+    LaunchConfig,
     PhaseConfig,
     TrainConfig,
     check_config,
+    node_range,
 )
 from decent_train.launcher.launch import (
-    LaunchConfig,
     WorkerFailure,
     check_devices,
     format_command,
     launch_workers,
-    node_range,
     slurm_rendezvous,
     torchrun_command,
 )
+from decent_train.launcher.preflight import preflight
 
 
 def shipped_dir(name: str) -> str:
@@ -60,7 +63,17 @@ def with_recipes(argv: list[str]) -> list[str]:
     return [argv[0], "--config-dir", shipped_dir("recipes"), *argv[1:]]
 
 
-ConfigStore.instance().store(name="base_train", node=TrainConfig)
+def _store_schemas() -> None:
+    """The schema Hydra composes against (``base_train``, first in conf/train.yaml's defaults) and each algorithm's
+    options schema: ``conf/algorithm/<name>.yaml`` of an algorithm with options of its own starts with
+    ``defaults: [/algorithm_schema/<name>@_here_, _self_]``, so Hydra types them as it does every other group."""
+    store = ConfigStore.instance()
+    store.store(name="base_train", node=TrainConfig)
+    for name, traits in ALGORITHM_TRAITS.items():
+        store.store(group="algorithm_schema", name=name, node=traits.schema)
+
+
+_store_schemas()
 # conf/hydra/launcher/slurm.yaml: a SLURM sweep allocates the most nodes an elastic launch.nnodes=MIN:MAX asks for.
 OmegaConf.register_new_resolver("max_nodes", lambda nnodes: node_range(nnodes)[1], replace=True)
 
@@ -103,6 +116,7 @@ def _check_and_launch(cfg: DictConfig) -> float | None:
         # One Hydra job on each node of a SLURM allocation (hydra/launcher=slurm with launch.nnodes > 1).
         cfg.launch.rdzv_endpoint, cfg.launch.rdzv_id = slurm_rendezvous()
     train_cfg = check_config(cfg)
+    preflight(train_cfg)
     config_path = run_dir / RESOLVED_CONFIG
     resolved = OmegaConf.structured(train_cfg)
     resolved.dry_run = False  # what the workers run: the dry run's file too, so the command it prints trains this job
@@ -122,7 +136,7 @@ def _train(cfg: TrainConfig, run_dir: Path, config_path: Path) -> float:
     if cfg.phases:
         what = "phases " + " > ".join(mode for _, mode in cfg.phase_starts())
     else:
-        what = f"topology={cfg.topology.name}" if cfg.algorithm == "decentralized" else "all-reduce"
+        what = f"topology={cfg.topology.name}" if cfg.gossips else "all-reduce"
     if cfg.compression.name != "none":
         what += f", compression={cfg.compression.name}"
         if cfg.compression.copy_dtype != "param":
@@ -154,7 +168,7 @@ def _train(cfg: TrainConfig, run_dir: Path, config_path: Path) -> float:
 def _print_dry_run(cfg: TrainConfig, config_path: Path) -> None:
     if cfg.phases:
         summary = cfg.schedule()
-    elif cfg.algorithm == "decentralized":
+    elif cfg.gossips:
         summary = cfg.build_topology().describe()
     else:
         summary = f"all-reduce (torch DDP) over {_workers(cfg.launch)} workers"

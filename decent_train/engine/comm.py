@@ -1,7 +1,6 @@
-"""Process groups for scripts launched by torchrun: setup (decent-dp's ``initialize_dist``, without its pitfalls), a
-clear error when a peer stops answering, waits on exchanges that do not block a GPU's host thread, point-to-point
-sends that do not run on the training thread, and collectives that let go of their tensors before they return (a
-clean interpreter exit)."""
+"""Communication utilities: a clear error when a peer stops answering, waits on exchanges that do not block a GPU's
+host thread, point-to-point sends that do not run on the training thread, and collectives that let go of their
+tensors before they return (a clean interpreter exit)."""
 
 from __future__ import annotations
 
@@ -21,7 +20,6 @@ __all__ = [
     "CommWaits",
     "PairPoster",
     "ExchangeError",
-    "initialize_dist",
     "peers_must_answer",
     "run_collective",
 ]
@@ -168,17 +166,3 @@ def run_collective(collective: Callable[..., Any], tensor: torch.Tensor, **kwarg
     while tensor._use_count() > idle and time.monotonic() < deadline:  # the worker thread still holds the work
         time.sleep(1e-4)
     del anchor
-
-
-def initialize_dist() -> tuple[int, int]:
-    """Initialize torch.distributed from torchrun's environment and return ``(rank, world_size)``.
-
-    With CUDA: NCCL, one device per local rank (``torch.cuda.set_device(LOCAL_RANK)``). Without: gloo.
-    """
-    if not dist.is_initialized():
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-            dist.init_process_group(backend="nccl")
-        else:
-            dist.init_process_group(backend="gloo")
-    return dist.get_rank(), dist.get_world_size()

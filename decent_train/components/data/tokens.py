@@ -11,13 +11,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from decent_train.components.data import Batch, Datasets, batch_generator
+from decent_train.components.data.base import Batch, Datasets, batch_generator
 
 TOKENS_LAYOUT = "ROOT/train.bin and ROOT/val.bin, token ids as flat little-endian uint16 (nanoGPT's format)"
 _VOCAB_CHECK_TOKENS = 1 << 22  # token ids checked against the vocabulary on load: a prefix, not a 10 GB file
 
 
 def check_token_files(root: Path, context_length: int) -> None:
+    """Cheap: both files exist and hold whole uint16 tokens, at least one window's worth. Their ids are checked
+    against the vocabulary when a worker loads them."""
     for split in ("train.bin", "val.bin"):
         path = root / split
         if not path.is_file():
@@ -34,10 +36,10 @@ def check_token_files(root: Path, context_length: int) -> None:
 
 class TokenData(Datasets):
     """Training: random windows from this worker's contiguous shard of ``train.bin`` (deterministic by seed).
-    Evaluation: ``val.bin`` cut into consecutive windows, dealt round-robin to the workers."""
+    Evaluation: ``val.bin`` cut into consecutive windows, dealt round-robin to the workers.
+    ``check_token_files`` (``build_datasets`` runs it first) has checked the files."""
 
     def __init__(self, root: Path, context_length: int, vocab_size: int):
-        check_token_files(root, context_length)
         self.train_path, self.val_path = root / "train.bin", root / "val.bin"
         self.train_tokens = np.memmap(self.train_path, dtype="<u2", mode="r")
         self.val_tokens = np.memmap(self.val_path, dtype="<u2", mode="r")

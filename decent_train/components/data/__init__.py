@@ -1,0 +1,247 @@
+"""Datasets the launcher can build by name, each sharded over the workers (``DATASETS``, the one registry).
+
+In memory (``TensorData``, ``arrays.py``): ``digits``, ``synthetic``, ``npz``, and ``cifar10``/``cifar100``
+(torchvision's python format, ``images.py``). Streamed: ``imagefolder`` (ImageNet-style ``train/`` and ``val/`` class
+folders, ``images.py``) and ``tokens`` (flat uint16 token files, ``tokens.py``). What every kind gives the worker is
+``base.Datasets``; how the training set is dealt out to the workers is ``partition.py``.
+
+Adding a dataset: its module, and one ``DatasetKind`` entry in ``DATASETS`` (plus ``conf/dataset/<name>.yaml``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from decent_train.components.data import arrays, images, tokens
+from decent_train.components.data.arrays import DIGITS_CLASSES, TensorData
+from decent_train.components.data.base import (
+    Batch,
+    BatchTransform,
+    Datasets,
+    batch_generator,
+    batch_to_device,
+    host_to_device,
+)
+from decent_train.components.data.partition import PARTITIONS, Sharding, check_classes_per_worker
+
+
+@dataclass(frozen=True)
+class DatasetKind:
+    """Everything the launcher and the worker need to know about one dataset name."""
+
+    build: Callable[[DatasetConfig], Datasets]  # in the worker; the files are checked first
+    check_files: Optional[Callable[[DatasetConfig], None]] = None  # cheap, before any worker; None: nothing on disk
+    layout: str = ""  # what dataset.root must hold, for error messages
+    classes: Optional[Callable[[DatasetConfig], int]] = None  # without loading the data; None: labels not in memory
+    images: bool = False  # samples are images (npz: usually; its shape is checked when loaded)
+    download: Optional[Callable[[DatasetConfig], None]] = None  # dataset.download=true: in the launcher, once
+
+    @property
+    def in_memory(self) -> bool:
+        """The labels are in memory, so the training set can be dealt out in fixed shards (``dataset.partition``)."""
+        return self.classes is not None
+
+
+def _check_dir(cfg: DatasetConfig) -> Path:
+    root = cfg.root_path()
+    if not root.is_dir():
+        raise ValueError(f"dataset.root={cfg.root} is not a directory; expected {layout(cfg.name)}")
+    return root
+
+
+def _check_npz(cfg: DatasetConfig) -> None:
+    missing = arrays.missing_npz(_check_dir(cfg))
+    if missing:
+        raise ValueError(f"dataset.root={cfg.root} has no {' or '.join(missing)}; expected {arrays.NPZ_LAYOUT}")
+
+
+def _check_cifar(cfg: DatasetConfig) -> None:
+    root = cfg.root_path()
+    if not (cfg.download and not images.cifar_present(root, cfg.name)):  # missing and downloaded: prepare() fetches it
+        images.check_cifar(root, cfg.name)
+
+
+def _cifar(name: str) -> DatasetKind:
+    return DatasetKind(
+        build=lambda cfg: images.cifar(cfg.root_path(), cfg.name, cfg.augment),
+        check_files=_check_cifar,
+        layout=images.CIFAR_LAYOUT[name],
+        classes=lambda cfg: images.CIFAR_CLASSES[name],
+        images=True,
+        download=lambda cfg: images.download_cifar(cfg.root_path(), cfg.name),
+    )
+
+
+DATASETS: dict[str, DatasetKind] = {
+    "digits": DatasetKind(
+        build=lambda cfg: arrays.digits(cfg.test_fraction, cfg.split_seed),
+        classes=lambda cfg: DIGITS_CLASSES,
+        images=True,
+    ),
+    "synthetic": DatasetKind(
+        build=lambda cfg: arrays.synthetic(
+            cfg.num_samples, tuple(cfg.input_shape), cfg.num_classes, cfg.noise, cfg.split_seed
+        ),
+        classes=lambda cfg: cfg.num_classes,
+    ),
+    "npz": DatasetKind(
+        build=lambda cfg: arrays.npz(cfg.root_path()),
+        check_files=_check_npz,
+        layout=arrays.NPZ_LAYOUT,
+        classes=lambda cfg: arrays.npz_classes(cfg.root_path()),
+        images=True,
+    ),
+    "cifar10": _cifar("cifar10"),
+    "cifar100": _cifar("cifar100"),
+    "imagefolder": DatasetKind(
+        build=lambda cfg: images.ImageFolderData(cfg.root_path(), cfg.image_size, cfg.augment, cfg.loader_workers),
+        check_files=lambda cfg: images.check_image_folder(_check_dir(cfg)),
+        layout=images.IMAGE_FOLDER_LAYOUT,
+        images=True,
+    ),
+    "tokens": DatasetKind(
+        build=lambda cfg: tokens.TokenData(cfg.root_path(), cfg.context_length, cfg.vocab_size),
+        check_files=lambda cfg: tokens.check_token_files(_check_dir(cfg), cfg.context_length),
+        layout=tokens.TOKENS_LAYOUT,
+    ),
+}
+DATASET_NAMES = tuple(DATASETS)
+IMAGE_DATASETS = tuple(name for name, kind in DATASETS.items() if kind.images)
+
+
+@dataclass
+class DatasetConfig:
+    """``conf/dataset/*.yaml``. Construction checks values only; ``check_files`` looks at the disk."""
+
+    name: str = "digits"
+    root: Optional[str] = None  # npz, cifar10, cifar100, imagefolder, tokens: the data directory
+    download: bool = False  # cifar10, cifar100: fetch into root (once, in the launcher) when it is missing
+    test_fraction: float = 0.2  # digits: share held out for evaluation
+    split_seed: int = 0  # digits, synthetic: the train/test split and the synthetic data do not depend on the run seed
+    num_samples: int = 8192  # synthetic: training samples (plus a quarter as many test samples)
+    input_shape: list[int] = field(default_factory=lambda: [1, 16, 16])  # synthetic: one sample's shape
+    num_classes: int = 10  # synthetic
+    noise: float = 2.0  # synthetic: standard deviation around the class centres
+    augment: bool = True  # cifar: random crop (padding 4) and flip; imagefolder: random resized crop and flip
+    image_size: int = 224  # imagefolder: training crop; evaluation resizes to image_size / 0.875 and centre-crops
+    loader_workers: int = 8  # imagefolder: decoding processes per worker
+    context_length: int = 1024  # tokens: tokens per sample (the model's context)
+    vocab_size: int = 50304  # tokens: every token id must be below it
+    partition: str = "iid"  # iid | shards | dirichlet | classes: how the training set is dealt out (partition.py)
+    alpha: float = 0.5  # dirichlet: the concentration (small: few labels per worker, unequal shard sizes)
+    classes_per_worker: int = 2  # classes: the labels each worker holds
+
+    def __post_init__(self) -> None:
+        if self.name not in DATASETS:
+            raise ValueError(f"dataset.name={self.name!r} is not a dataset; valid: {', '.join(DATASET_NAMES)}")
+        if not 0.0 < self.test_fraction < 1.0:
+            raise ValueError(f"dataset.test_fraction={self.test_fraction} must be in (0, 1)")
+        if self.num_samples < 1 or self.num_classes < 2 or not self.input_shape or min(self.input_shape) < 1:
+            raise ValueError(
+                f"dataset.num_samples={self.num_samples} must be >= 1, dataset.num_classes={self.num_classes} >= 2, "
+                f"dataset.input_shape={list(self.input_shape)} positive sizes"
+            )
+        for key in ("image_size", "context_length", "vocab_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"dataset.{key}={getattr(self, key)} must be >= 1")
+        if self.loader_workers < 0:
+            raise ValueError(f"dataset.loader_workers={self.loader_workers} must be >= 0")
+        self._check_download_and_partition()
+        if self.kind.check_files is not None:
+            self.root_path()  # a data directory is named (whether it holds the data is check_files' question)
+
+    def _check_download_and_partition(self) -> None:
+        if self.download and self.kind.download is None:
+            fetchable = " and ".join(name for name, kind in DATASETS.items() if kind.download is not None)
+            raise ValueError(f"dataset.download=true works for {fetchable}, not dataset={self.name}")
+        if self.partition not in PARTITIONS:
+            raise ValueError(f"dataset.partition={self.partition!r} is not a partition; valid: {', '.join(PARTITIONS)}")
+        if self.partition != "iid" and not self.kind.in_memory:
+            in_memory = ", ".join(name for name, kind in DATASETS.items() if kind.in_memory)
+            raise ValueError(
+                f"dataset.partition={self.partition} needs the labels in memory; dataset={self.name} supports only iid "
+                f"(in-memory datasets: {in_memory})"
+            )
+        if self.alpha <= 0:
+            raise ValueError(f"dataset.alpha={self.alpha} must be > 0 (the Dirichlet concentration)")
+        if self.classes_per_worker < 1:
+            raise ValueError(f"dataset.classes_per_worker={self.classes_per_worker} must be >= 1")
+
+    @property
+    def kind(self) -> DatasetKind:
+        return DATASETS[self.name]
+
+    @property
+    def is_tokens(self) -> bool:
+        return self.name == "tokens"
+
+    def root_path(self) -> Path:
+        """``dataset.root``, with ``~`` expanded; an error naming the layout when it is not set."""
+        if not self.root:
+            raise ValueError(f"dataset={self.name} needs dataset.root: {layout(self.name)}")
+        return Path(self.root).expanduser()
+
+    def check_files(self) -> None:
+        """The data directory exists and has the expected layout (cheap: names and headers, not contents). The
+        launcher's preflight runs it before any worker starts; ``build_datasets`` runs it again in each worker."""
+        if self.kind.check_files is not None:
+            self.kind.check_files(self)
+
+    def sharding(self) -> Sharding:
+        return Sharding(self.partition, self.split_seed, self.alpha, self.classes_per_worker)
+
+    def check_partition(self, world_sizes: list[int]) -> None:
+        """``classes`` can serve each of ``world_sizes``: every class held by some worker (the labels are counted
+        from the config, or read from npz's y: no worker needed)."""
+        count = self.kind.classes
+        if self.partition != "classes" or count is None:  # None: __post_init__ allows only iid
+            return
+        self.check_files()  # npz counts its labels from train.npz: a missing file is the layout's one-line error
+        classes = count(self)
+        for world in world_sizes:
+            check_classes_per_worker(self.classes_per_worker, world, classes)
+
+
+def layout(name: str) -> str:
+    """What the directory of dataset ``name`` must hold (for error messages; empty for data not on disk)."""
+    kind = DATASETS.get(name)
+    return kind.layout if kind is not None else ""
+
+
+def build_datasets(cfg: DatasetConfig) -> Datasets:
+    """The dataset ``cfg`` names, its files checked first: a worker started without the launcher's preflight gets
+    the same one-line error."""
+    cfg.check_files()
+    data = cfg.kind.build(cfg)
+    if isinstance(data, TensorData):
+        data.sharding = cfg.sharding()
+    return data
+
+
+def prepare(cfg: DatasetConfig) -> None:
+    """Once, in the launcher before any worker starts: download what ``dataset.download=true`` asks for."""
+    if cfg.download and cfg.kind.download is not None:
+        cfg.kind.download(cfg)
+
+
+__all__ = [
+    "DATASETS",
+    "DATASET_NAMES",
+    "DIGITS_CLASSES",
+    "IMAGE_DATASETS",
+    "Batch",
+    "BatchTransform",
+    "DatasetConfig",
+    "DatasetKind",
+    "Datasets",
+    "TensorData",
+    "batch_generator",
+    "batch_to_device",
+    "build_datasets",
+    "host_to_device",
+    "layout",
+    "prepare",
+]

@@ -1,0 +1,188 @@
+"""Datasets held in memory as tensors (``TensorData``): ``digits`` (the 8x8 handwritten digits scikit-learn ships:
+real data, no download), ``synthetic`` (Gaussian class clusters of any size and shape, for throughput) and ``npz``
+(your arrays). CIFAR (``images.py``) is held the same way."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import BatchSampler, DistributedSampler, TensorDataset
+
+from decent_train.components.data.base import Batch, BatchTransform, Datasets, batch_generator, batch_to_device
+from decent_train.components.data.partition import Partition, Sharding, label_histograms
+
+NPZ_LAYOUT = "a directory with train.npz and test.npz, each holding arrays x (samples first) and y (integer labels)"
+NPZ_FILES = ("train.npz", "test.npz")
+DIGITS_CLASSES = 10  # scikit-learn's handwritten digits
+
+
+class TensorData(Datasets):
+    """Both splits in memory; batches are one tensor index each, not one ``__getitem__`` per sample.
+
+    ``transform(x, generator)`` turns stored samples into model inputs per batch (uint8 to normalized float, and
+    random augmentation when a generator is given: training only).
+    """
+
+    def __init__(self, train: TensorDataset, test: TensorDataset, num_classes: int, transform: BatchTransform | None = None):
+        self.train, self.test, self.num_classes, self.transform = train, test, num_classes, transform
+        self.input_shape = tuple(train.tensors[0].shape[1:])
+        self.train_size = len(train)
+        self.sharding = Sharding()  # dataset.partition: build_datasets sets it
+
+    def partition(self, world: int, batch_size: int) -> Partition | None:
+        """The workers' fixed shards (None for iid): the same on every worker; each holds one micro-batch at least."""
+        if self.sharding.partition == "iid":
+            return None
+        partition = self.sharding.split(self.train.tensors[1], world, min_size=batch_size)
+        small = min(range(world), key=lambda r: len(partition.shards[r]))
+        if len(partition.shards[small]) < batch_size:  # dirichlet redraws instead; the others are what they are
+            raise ValueError(
+                f"batch_size={batch_size} is larger than worker {small}'s shard ({len(partition.shards[small])} "
+                f"samples of {self.train_size}, dataset.partition={self.sharding.partition} over {world} workers)"
+            )
+        return partition
+
+    def shard_summary(self, world: int, batch_size: int) -> dict[str, Any]:
+        partition = self.partition(world, batch_size)
+        if partition is None:
+            return super().shard_summary(world, batch_size)
+        return {
+            "data/partition": self.sharding.partition,
+            "data/shard_sizes": [len(s) for s in partition.shards],
+            "data/shard_labels": label_histograms(self.train.tensors[1], partition.shards, self.num_classes),
+        }
+
+    def _stored_train_batches(
+        self, batch_size: int, rank: int, world: int, seed: int, start: int
+    ) -> Iterator[tuple[Tensor, Tensor, Optional[torch.Generator]]]:
+        """Training batches as stored, each with its augmentation's generator (None without a transform)."""
+        partition = self.partition(world, batch_size)
+        if partition is not None:
+            yield from self._shard_batches(partition.shards[rank], batch_size, rank, seed, start)
+            return
+        sampler = DistributedSampler(self.train, world, rank, shuffle=True, seed=seed, drop_last=True)
+        batches = BatchSampler(sampler, batch_size, drop_last=True)
+        if len(batches) == 0:
+            raise ValueError(
+                f"batch_size={batch_size} is larger than a worker's shard ({len(sampler)} samples of "
+                f"{len(self.train)} over {world} workers)"
+            )
+        epoch, skip = divmod(start, len(batches))
+        while True:
+            sampler.set_epoch(epoch)
+            for index, indices in enumerate(batches):
+                if index < skip:
+                    continue
+                x, y = self.train[indices]
+                # Augmentation: its own generator per batch, so a resume can skip.
+                yield x, y, None if self.transform is None else batch_generator(seed, rank, epoch, index)
+            epoch, skip = epoch + 1, 0
+
+    def _shard_batches(
+        self, shard: Tensor, batch_size: int, rank: int, seed: int, start: int
+    ) -> Iterator[tuple[Tensor, Tensor, Optional[torch.Generator]]]:
+        """A fixed shard's micro-batches, reshuffled within it each time it runs out (its own epochs: shards differ in
+        size); by seed and that epoch, so a resume at micro-batch ``start`` takes the same ones."""
+        per_epoch = len(shard) // batch_size  # partition() made it >= 1
+        epoch, skip = divmod(start, per_epoch)
+        while True:
+            order = shard[torch.randperm(len(shard), generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))]
+            for index in range(skip, per_epoch):
+                x, y = self.train[order[index * batch_size : (index + 1) * batch_size]]
+                yield x, y, None if self.transform is None else batch_generator(seed, rank, epoch, index)
+            epoch, skip = epoch + 1, 0
+
+    def _stored_eval_batches(self, batch_size: int, rank: int, world: int) -> Iterator[Batch]:
+        x, y = (t[rank::world] for t in self.test.tensors)
+        for start in range(0, len(y), batch_size):
+            yield x[start : start + batch_size], y[start : start + batch_size]
+
+    def train_batches(self, batch_size: int, rank: int, world: int, seed: int, start: int = 0) -> Iterator[Batch]:
+        return self.device_train_batches(batch_size, rank, world, seed, start, device="cpu")
+
+    def eval_batches(self, batch_size: int, rank: int, world: int) -> Iterator[Batch]:
+        return self.device_eval_batches(batch_size, rank, world, device="cpu")
+
+    def device_train_batches(
+        self, batch_size: int, rank: int, world: int, seed: int, start: int = 0, *, device: torch.device | str,
+        channels_last: bool = False,
+    ) -> Iterator[Batch]:
+        """The stored samples are copied, the transform runs on ``device``: the same batches as ``train_batches``."""
+        for x, y, generator in self._stored_train_batches(batch_size, rank, world, seed, start):
+            yield batch_to_device((x, y), device, channels_last, self.transform, generator)
+
+    def device_eval_batches(
+        self, batch_size: int, rank: int, world: int, *, device: torch.device | str, channels_last: bool = False
+    ) -> Iterator[Batch]:
+        for batch in self._stored_eval_batches(batch_size, rank, world):
+            yield batch_to_device(batch, device, channels_last, self.transform)
+
+
+def digits(test_fraction: float, split_seed: int) -> TensorData:
+    """scikit-learn's digits, split by ``split_seed`` into ``test_fraction`` held out and the rest for training."""
+    from sklearn.datasets import load_digits  # imported here: costs a second, only the digits need it
+
+    bunch = load_digits()
+    x = torch.from_numpy(bunch.images).float().div_(16.0).unsqueeze(1)  # (N, 1, 8, 8), values in [0, 1]
+    y = torch.from_numpy(bunch.target).long()
+    train_idx, test_idx = _split(len(y), test_fraction, split_seed)
+    return tensor_data(x[train_idx], y[train_idx], x[test_idx], y[test_idx])
+
+
+def _split(n: int, test_fraction: float, seed: int) -> tuple[Tensor, Tensor]:
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    n_test = max(1, round(n * test_fraction))
+    return perm[n_test:], perm[:n_test]
+
+
+def synthetic(num_samples: int, input_shape: tuple[int, ...], num_classes: int, noise: float, seed: int) -> TensorData:
+    """Gaussian clusters around random class centres: ``num_samples`` to train on and a quarter as many to test."""
+    gen = torch.Generator().manual_seed(seed)
+    centres = torch.randn(num_classes, *input_shape, generator=gen) * 2.0
+
+    def sample(n: int) -> tuple[Tensor, Tensor]:
+        y = torch.randint(num_classes, (n,), generator=gen)
+        return centres[y] + noise * torch.randn(n, *input_shape, generator=gen), y
+
+    return tensor_data(*sample(num_samples), *sample(max(1, num_samples // 4)))
+
+
+def npz(root: Path) -> TensorData:
+    """``root/train.npz`` and ``root/test.npz`` (``NPZ_LAYOUT``); uint8 ``x`` is scaled to [0, 1]."""
+    return tensor_data(*_load_npz(root / "train.npz"), *_load_npz(root / "test.npz"))
+
+
+def missing_npz(root: Path) -> list[str]:
+    """The files of ``NPZ_FILES`` that ``root`` lacks (cheap: names only)."""
+    return [f for f in NPZ_FILES if not (root / f).is_file()]
+
+
+def _load_npz(path: Path) -> tuple[Tensor, Tensor]:
+    try:
+        with np.load(path) as arrays:
+            x, y = arrays["x"], arrays["y"]
+    except (OSError, ValueError, KeyError) as error:
+        raise ValueError(f"{path}: cannot read arrays x and y ({error}); expected {NPZ_LAYOUT}") from None
+    if len(x) != len(y) or y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+        raise ValueError(f"{path}: x has {len(x)} samples, y has shape {y.shape} {y.dtype}; expected {NPZ_LAYOUT}")
+    xt = torch.from_numpy(x)
+    xt = xt.float().div_(255.0) if xt.dtype == torch.uint8 else xt.float()
+    return xt, torch.from_numpy(y).long()
+
+
+def npz_classes(root: Path) -> int:
+    """The number of classes in ``root/train.npz`` (its largest label + 1), without loading ``x``."""
+    with np.load(root / "train.npz") as arrays:
+        return int(arrays["y"].max()) + 1
+
+
+def tensor_data(
+    x_train: Tensor, y_train: Tensor, x_test: Tensor, y_test: Tensor, transform: BatchTransform | None = None
+) -> TensorData:
+    num_classes = int(max(y_train.max(), y_test.max())) + 1
+    return TensorData(TensorDataset(x_train, y_train), TensorDataset(x_test, y_test), num_classes, transform)

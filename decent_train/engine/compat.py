@@ -1,0 +1,45 @@
+"""decent-dp 0.2.3 compatibility: its module names and helpers, so its users' scripts run after the import swap.
+
+``decent_train.ddp`` and ``decent_train.utils`` are this module, ``decent_train.optim`` the engine's optimizers and
+``decent_train.topo`` its topologies (``alias_decent_dp_modules``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import ModuleType
+
+import torch
+import torch.distributed as dist
+
+from decent_train.engine import optim, topology
+from decent_train.engine.ddp import DecentralizedDataParallel
+from decent_train.engine.optim import LRSchedulerFn, OptimFn
+
+__all__ = ["DecentralizedDataParallel", "LR_SCHEDULER_FN_TYPE", "OPTIM_FN_TYPE", "initialize_dist"]
+
+OPTIM_FN_TYPE = OptimFn
+LR_SCHEDULER_FN_TYPE = LRSchedulerFn
+
+
+def initialize_dist() -> tuple[int, int]:
+    """Initialize torch.distributed from torchrun's environment and return ``(rank, world_size)``.
+
+    With CUDA: NCCL, one device per local rank (``torch.cuda.set_device(LOCAL_RANK)``). Without: gloo.
+    """
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+            dist.init_process_group(backend="nccl")
+        else:
+            dist.init_process_group(backend="gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def alias_decent_dp_modules(package: str) -> None:
+    """Register decent-dp's submodule names under ``package`` (``import package.ddp`` and friends)."""
+    this: ModuleType = sys.modules[__name__]
+    for alias, module in {"ddp": this, "utils": this, "optim": optim, "topo": topology}.items():
+        sys.modules[f"{package}.{alias}"] = module
+        setattr(sys.modules[package], alias, module)

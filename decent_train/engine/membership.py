@@ -1,0 +1,110 @@
+"""Membership: who is in the run now (rank, world size, workers per node) and the process groups the engine uses.
+
+One place holds it, so that a later change of membership at run time (a worker lost or joined) changes it here: the
+topologies and their groups are built over the current members, and collectives over all of them go through here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from decent_train.engine.comm import peers_must_answer, run_collective
+from decent_train.engine.topology import Topology, get_topology_class
+
+__all__ = ["Membership"]
+
+TopologySpec = str | Topology | type[Topology]
+
+
+class Membership:
+    """The members of the default process group as the engine sees them.
+
+    ``exchange_group`` is the group pairs exchange and gradients are averaged in: None (the default group), or on a
+    GPU with a time limit a world-wide group that carries it (NCCL's watchdog enforces it; the host never waits).
+    """
+
+    def __init__(self, local_world_size: int | None, timeout: timedelta | None):
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if distributed else 0
+        self.world_size = dist.get_world_size() if distributed else 1
+        self.local_world_size = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        self.timeout = timeout
+        self.group_timeout: timedelta | None = None  # the engine's own groups' (set by ``create_exchange_group``)
+        self.exchange_group: dist.ProcessGroup | None = None
+        self._topologies: dict[Any, Topology] = {}  # by name, class or id: process groups are created once each
+
+    def create_exchange_group(self, device: torch.device) -> None:
+        """On a GPU with a time limit, a world-wide group that carries it. One all-reduce over it initializes its
+        communicator with every rank (NCCL's first point-to-point batch on a lazily created group must include all
+        ranks)."""
+        self.group_timeout = self.engine_group_timeout(device)
+        if self.world_size == 1 or self.group_timeout is None:
+            return
+        self.exchange_group = dist.new_group(timeout=self.group_timeout)
+        dist.all_reduce(torch.zeros(1, device=device), group=self.exchange_group)
+
+    def engine_group_timeout(self, device: torch.device) -> timedelta | None:
+        """The timeout of the engine's own process groups: the exchange limit on a GPU, where the host does not wait
+        (gloo's groups keep the default: there the wait itself has the limit)."""
+        return self.timeout if device.type == "cuda" else None
+
+    def topology(self, spec: TopologySpec) -> Topology:
+        """The topology ``spec`` over the members, its process groups created (a collective) the first time."""
+        key = spec if isinstance(spec, (str, type)) else id(spec)
+        if key in self._topologies:
+            return self._topologies[key]
+        if isinstance(spec, Topology):
+            if spec.world_size != self.world_size:
+                raise ValueError(f"topology built for {spec.world_size} workers, but the world has {self.world_size}")
+            topology = spec
+        else:
+            cls = spec if isinstance(spec, type) else get_topology_class(spec)
+            topology = cls(local_world_size=self.local_world_size, world_size=self.world_size, rank=self.rank)
+        if self.world_size > 1:
+            timeout = self.group_timeout  # passed only when set: a subclass may override create_groups()
+            kwargs = {"timeout": timeout, "world_group": self.exchange_group} if timeout is not None else {}
+            topology.create_groups(**kwargs)
+        self._topologies[key] = topology
+        return topology
+
+    def check_same_model(self, tensors: list[tuple[str, Tensor]]) -> None:
+        """Every member holds tensors of the same names, shapes and dtypes as rank 0."""
+        if self.world_size == 1:
+            return
+        mine = [(n, tuple(t.shape), str(t.dtype)) for n, t in tensors]
+        theirs = [mine]
+        dist.broadcast_object_list(theirs, src=0)
+        for here, there in itertools.zip_longest(mine, theirs[0]):
+            if here != there:
+                raise RuntimeError(f"rank {self.rank}'s model differs from rank 0's: {here} here, {there} on rank 0")
+
+    @torch.no_grad()
+    def broadcast_from_rank0(self, tensors: list[Tensor]) -> None:
+        if self.world_size > 1:
+            for tensor in tensors:
+                run_collective(dist.broadcast, tensor, src=0)
+
+    def average_(self, tensor: Tensor, what: str | Callable[[], str]) -> None:
+        """``tensor`` <- its average over all members (blocking); ``what`` names the collective if a peer fails."""
+        if self.world_size > 1:
+            with peers_must_answer(what, self.timeout):
+                run_collective(dist.all_reduce, tensor)
+            tensor.div_(self.world_size)
+
+    def average_tensors_(self, tensors: list[Tensor], what: str | Callable[[], str]) -> None:
+        """Average ``tensors`` over all members in place, with one all-reduce per dtype and device."""
+        groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+        for tensor in tensors:
+            groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+        for same in groups.values():
+            flat = torch._utils._flatten_dense_tensors(same)
+            self.average_(flat, what)
+            torch._foreach_copy_(same, torch._utils._unflatten_dense_tensors(flat, same))

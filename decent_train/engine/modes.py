@@ -1,0 +1,234 @@
+"""The engine's modes: what a bucket does once its gradients are there. One small interface, two implementations.
+
+``GossipMode``: mix with the neighbours' x^s, step, launch the exchange of x^{s+1} (inside backward, overlapped).
+``AllReduceMode``: average the bucket's gradients (launched as the bucket completes), then step at the end of
+backward as each sum arrives: torch DDP's algorithm with the same optimizer-in-bucket structure, so a switch between
+modes and topologies keeps every optimizer and scheduler state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.autograd.profiler import record_function
+
+from decent_train.engine.buckets import Bucket, PendingExchange
+from decent_train.engine.comm import CommWaits, peers_must_answer
+from decent_train.engine.exchange import Exchanger
+from decent_train.engine.membership import Membership
+from decent_train.engine.steps import BucketSteps
+from decent_train.engine.topology import Edge, Topology
+
+__all__ = ["ALLREDUCE", "AllReduceMode", "GossipMode", "Mode", "ModeContext", "Progress"]
+
+ALLREDUCE = "allreduce"
+"""The engine's other mode (``topology="allreduce"``, ``switch_to("allreduce")``): each bucket's gradients are averaged
+over all workers, then the bucket steps, so the workers stay equal (torch DDP's algorithm)."""
+
+
+@dataclass
+class Progress:
+    """Where training is: optimizer steps taken (the round of the next mix), and the mixing's damping."""
+
+    step: int = 0
+    adaptive_factor: float = 1.0
+
+
+@dataclass
+class ModeContext:
+    """What every mode works with, shared with the engine."""
+
+    members: Membership
+    exchanger: Exchanger
+    waits: CommWaits
+    steps: BucketSteps
+    progress: Progress
+    param_as_bucket_view: bool
+
+    def wait_works(self, works: list[Any], bucket: Bucket, ranks: list[int], what: str) -> None:
+        def described() -> str:  # formatted only if the wait fails
+            peers = [r for r in ranks if r != self.members.rank]
+            return f"the {what} of bucket {bucket.index} with rank(s) {peers} at step {self.progress.step}"
+
+        with peers_must_answer(described, self.members.timeout), record_function("decent_train.wait"):
+            self.waits.wait(works, bucket.flat.device)
+
+    def wait_pending(self, bucket: Bucket) -> PendingExchange | None:
+        """Complete the bucket's exchange in flight, if any, and take it off the bucket."""
+        exchange, bucket.pending = bucket.pending, None
+        if exchange is not None:
+            edge = exchange.stages[exchange.async_stage]
+            self.wait_works(exchange.works, bucket, edge.ranks, "exchange")
+        return exchange
+
+    def complete_pending(self, bucket: Bucket) -> None:
+        """Complete an exchange but keep it pending, so its data is still mixed in at the next step."""
+        exchange = self.wait_pending(bucket)
+        bucket.pending = dataclasses.replace(exchange, works=[]) if exchange is not None else None
+
+
+class Mode(Protocol):
+    """What the engine asks of a mode. Buckets come to each call strictly in index order, the same on all ranks."""
+
+    label: str
+    topology: Topology | None
+    start: int  # the step the mode began at
+    updates_in_backward: bool  # ``update`` may run as soon as a bucket's gradients are there
+
+    def gradients_ready(self, bucket: Bucket) -> None:
+        """Every gradient of ``bucket`` arrived during backward."""
+
+    def gather(self, bucket: Bucket) -> None:
+        """End of backward, before any deferred step: what the bucket's gradients still wait for."""
+
+    def update(self, bucket: Bucket) -> None:
+        """The bucket's update: its step, and any exchange around it."""
+
+
+class AllReduceMode:
+    """Average each bucket's gradients over all workers, then step."""
+
+    label, topology, updates_in_backward = ALLREDUCE, None, False
+
+    def __init__(self, context: ModeContext, start: int):
+        self.context, self.start = context, start
+
+    def gradients_ready(self, bucket: Bucket) -> None:
+        """Copy the bucket's gradients into one buffer (zeros for a parameter without one) and start its sum."""
+        members = self.context.members
+        if members.world_size == 1:
+            return
+        views = bucket.gradient_views()
+        with torch.no_grad():
+            for param, view in zip(bucket.params, views):
+                view.copy_(param.grad) if param.grad is not None else view.zero_()
+            bucket.grads.div_(members.world_size)
+        bucket.gradient_works = [dist.all_reduce(bucket.grads, group=members.exchange_group, async_op=True)]
+
+    def gather(self, bucket: Bucket) -> None:
+        """Wait for the bucket's gradient sum; its slices become the parameters' gradients."""
+        members = self.context.members
+        if members.world_size == 1:
+            return
+        works, bucket.gradient_works = bucket.gradient_works, []
+        self.context.wait_works(works, bucket, list(range(members.world_size)), "gradient all-reduce")
+        for param, view in zip(bucket.params, bucket.gradient_views()):
+            param.grad = view
+
+    def update(self, bucket: Bucket) -> None:
+        self.context.steps.step(bucket)
+
+
+class GossipMode:
+    """Gossip over ``topology`` with rounds counted from step ``start``: x <- W x - U(grad), the exchange of the next
+    x overlapped with the rest of backward and the next forward."""
+
+    updates_in_backward = True
+
+    def __init__(self, context: ModeContext, topology: Topology, start: int, consensus_step: float):
+        self.context, self.topology, self.start = context, topology, start
+        self.consensus_step = consensus_step
+        rank, rounds = context.members.rank, range(topology.period)
+        self.my_stages: list[list[Edge]] = [topology.edges(r, rank) for r in rounds]  # this worker's group per stage
+        self.async_stages: list[int] = [topology.async_stage(r) for r in rounds]  # the stage overlapped, per round
+
+    @property
+    def label(self) -> str:
+        return self.topology.describe()
+
+    def round_of(self, step: int) -> int:
+        return (step - self.start) % len(self.my_stages)
+
+    def groups(self) -> list[Edge]:
+        """This worker's groups of two or more over the period (each keeps its compressed copies)."""
+        return [edge for stages in self.my_stages for edge in stages if edge.size > 1]
+
+    def gradients_ready(self, bucket: Bucket) -> None:
+        pass
+
+    def gather(self, bucket: Bucket) -> None:
+        pass
+
+    @torch.no_grad()
+    def update(self, bucket: Bucket) -> None:
+        """Mix with the neighbours' x^s, take the local step, launch the exchange of x^{s+1}."""
+        with record_function("decent_train.mix"):
+            self.mix(bucket)
+        self.context.steps.step(bucket)
+        with record_function("decent_train.launch"):
+            self.launch(bucket, self.round_of(self.context.progress.step + 1))
+
+    def launch(self, bucket: Bucket, round_: int) -> None:
+        """Start the exchange of x^{s+1} in round ``round_``: the stages before its overlapped stage now, that one in
+        the background."""
+        stages, async_stage = self.my_stages[round_], self.async_stages[round_]
+        if all(edge.size == 1 for edge in stages):
+            return
+        bucket.read_params(self.context.param_as_bucket_view)
+        exchanger, value = self.context.exchanger, bucket.flat
+        for edge in stages[:async_stage]:
+            works = exchanger.start(bucket, edge, value)
+            self.context.wait_works(works, bucket, edge.ranks, "exchange")
+            value = exchanger.finish(bucket, edge, value)
+        works = exchanger.start(bucket, stages[async_stage], value)
+        bucket.pending = PendingExchange(stages, async_stage, value, works)
+
+    def resume_pending(self, bucket: Bucket, value: Tensor) -> None:
+        """An exchange of this step's round whose data has arrived (a checkpoint's): mixed in at the next step."""
+        round_ = self.round_of(self.context.progress.step)
+        bucket.pending = PendingExchange(self.my_stages[round_], self.async_stages[round_], value, [])
+
+    def mix(self, bucket: Bucket) -> None:
+        """x <- (1 - a) x + a (W x), a being the adaptive factor: finish the exchange in flight, run the stages after
+        it, and combine. One-stage rounds combine straight from ``comm`` (no extra pass over memory)."""
+        context, exchanger = self.context, self.context.exchanger
+        exchange = context.wait_pending(bucket)
+        if exchange is None:
+            return
+        stages, k, value = exchange.stages, exchange.async_stage, exchange.value
+        alpha, edge = context.progress.adaptive_factor, stages[k]
+        for edge in stages[k + 1 :]:  # the stages after the one in flight: first finish that, then run each
+            value = exchanger.finish(bucket, stages[k], value)
+            works = exchanger.start(bucket, edge, value)
+            context.wait_works(works, bucket, edge.ranks, "exchange")
+            k += 1
+        if bucket.compressed is not None:  # the last stage is a compressed gossip step
+            if len(stages) == 1:  # on the parameters, in place: the adaptive factor scales the step
+                received = exchanger.received(bucket, edge)
+                bucket.compressed.mix(value, value, edge, received, self.consensus_step * alpha)
+            else:  # into ``staged``, then the parameters move toward the round's result
+                value = exchanger.finish(bucket, edge, value)
+                if value is not bucket.flat:
+                    bucket.flat.lerp_(value, alpha)
+            bucket.write_params(context.param_as_bucket_view)
+            return
+        own, other = Exchanger.coefficients(edge)  # x_new = (1-alpha) x + alpha (own value + other comm)
+        if hasattr(bucket.optimizer, "pre_average_hook"):  # one-stage rounds only (checked when the mode starts)
+            self._combine(bucket, bucket.flat, *_decent_dp_pre_average(bucket, edge, own, other, alpha))
+        elif value is bucket.flat:
+            self._combine(bucket, bucket.flat, 1.0 - alpha + alpha * own, alpha * other)
+        else:
+            self._combine(bucket, value, alpha * own, alpha * other, keep=1.0 - alpha)
+
+    def _combine(self, bucket: Bucket, value: Tensor, own: float, other: float, keep: float | None = None) -> None:
+        """The round's result into ``flat`` (``Exchanger.combine``), then into the parameters."""
+        Exchanger.combine(bucket, value, own, other, keep)
+        bucket.write_params(self.context.param_as_bucket_view)
+
+
+def _decent_dp_pre_average(bucket: Bucket, edge: Edge, own: float, other: float, alpha: float) -> tuple[float, float]:
+    """decent-dp's contract: ``comm_buffer`` holds neighbor * (sum over the group) when the optimizer's
+    ``pre_average_hook`` runs. A pair's comm holds the peer's value, so its sum gains our own and our coefficient
+    loses the neighbour's share. Returns the (own, other) coefficients of the combine that follows."""
+    if edge.size == 2:
+        bucket.comm.add_(bucket.flat)
+        own -= other
+    bucket.comm.mul_(other)
+    bucket.optimizer.pre_average_hook(edge, edge.weight)
+    return 1.0 - alpha + alpha * own, alpha
+

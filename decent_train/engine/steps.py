@@ -1,0 +1,65 @@
+"""A bucket's optimizer step, and the steps deferred until every gradient is known.
+
+With gradient clipping (by the whole model's norm) or fp16 loss scaling (an overflow on any worker skips the step on
+all), no bucket may step before backward has ended: the steps move to the end of backward, after one agreement.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from decent_train.engine.buckets import Bucket
+from decent_train.engine.comm import peers_must_answer, run_collective
+from decent_train.engine.membership import Membership
+
+__all__ = ["BucketSteps"]
+
+
+class BucketSteps:
+    """How the buckets' optimizers step: at once, or ``deferred`` to the end of backward."""
+
+    def __init__(self, scaler: torch.amp.GradScaler | None, grad_clip_norm: float):
+        self.scaler = scaler
+        self.grad_clip_norm = float(grad_clip_norm)
+        self.scaled = scaler is not None and scaler.is_enabled()
+        self.deferred = self.grad_clip_norm > 0 or self.scaled
+        self.overflow = False  # fp16: an inf/nan gradient on some worker at this step (read once per step)
+
+    def prepare(self, buckets: list[Bucket], members: Membership, step: int) -> None:
+        """Unscale, agree on overflow across all workers, and clip by the whole model's gradient norm.
+
+        The overflow flag is read on the host once per step (GradScaler.step would read it once per bucket), and
+        the buckets then step directly or all skip.
+        """
+        self.overflow = False
+        if self.scaled:
+            assert self.scaler is not None
+            with_grads = [b for b in buckets if b.has_grads()]
+            for bucket in with_grads:
+                self.scaler.unscale_(bucket.optimizer)
+            found = [t for b in with_grads for t in self.scaler._found_inf_per_device(b.optimizer).values()]
+            if found:
+                overflow = torch.stack([t.float() for t in found]).amax().reshape(1)
+                if members.world_size > 1:
+                    with peers_must_answer(f"the overflow check at step {step}", members.timeout):
+                        run_collective(dist.all_reduce, overflow, op=dist.ReduceOp.MAX)
+                for t in found:
+                    t.copy_(overflow.reshape(()))  # what GradScaler.update() reads
+                self.overflow = bool(overflow.item())
+        if self.grad_clip_norm > 0:
+            grads = [p for b in buckets for p in b.params if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(grads, self.grad_clip_norm)
+
+    def step(self, bucket: Bucket) -> None:
+        """The bucket's optimizer and scheduler step; with fp16 loss scaling, unless a gradient overflowed on some
+        worker (the bucket's gradients are unscaled already: what ``GradScaler.step`` does, without its host sync)."""
+        if not self.scaled or (not self.overflow and bucket.has_grads()):
+            bucket.optimizer.step()
+        bucket.optimizer.zero_grad(set_to_none=True)
+        if bucket.scheduler is not None:
+            bucket.scheduler.step()
+
+    def end_step(self) -> None:
+        if self.scaler is not None:
+            self.scaler.update()

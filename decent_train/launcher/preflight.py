@@ -1,0 +1,49 @@
+"""Checks that look past the config's values, run once by the launcher before any worker starts.
+
+``check_config`` checks values and their combinations (cheap, and again in every worker); what needs the disk, the
+user's code or every world size an elastic job may run at is here, so that a mistake still ends in one line with
+exit status 2 instead of a failed worker: the dataset's files, the partition against each world size, importing
+``topology.module``, building every topology the run gossips over, and ``resume``'s checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from decent_train.components.checkpoint import complete_checkpoints
+from decent_train.config import TrainConfig
+
+
+def preflight(cfg: TrainConfig) -> None:
+    """Raise ``ValueError`` (one line, naming the bad value) if ``cfg`` cannot run; ``launch.nproc_per_node`` must be
+    resolved (the launcher does that first) for the checks over world sizes."""
+    cfg.dataset.check_files()
+    if cfg.launch.nproc_per_node is not None:
+        cfg.dataset.check_partition(cfg.launch.world_sizes)
+        check_topologies(cfg)
+    if cfg.resume is not None:
+        check_resume(cfg)
+
+
+def check_topologies(cfg: TrainConfig) -> None:
+    """Every topology the run gossips over (its own, its phases') can be laid out at every world size it may have."""
+    names = cfg.gossip_topologies()
+    if names:
+        cfg.topology.import_module()  # its own error, not one per topology
+    for name in sorted(names):
+        for world_size in cfg.launch.world_sizes:  # an elastic job's every size
+            try:
+                cfg.build_topology(name, world_size)
+            except ValueError as error:
+                raise ValueError(f"topology={name} with {world_size} workers: {error}") from None
+
+
+def check_resume(cfg: TrainConfig) -> None:
+    """``resume`` holds a complete checkpoint, trained with this run's world size, schedule and model."""
+    checkpoints = complete_checkpoints(Path(cfg.resume))
+    if not checkpoints:
+        raise ValueError(f"resume={cfg.resume} holds no complete checkpoint (checkpoints/step_*/manifest.json)")
+    if cfg.launch.nproc_per_node is not None:
+        mismatch = checkpoints[0].describe_mismatch(cfg.launch.world_size, cfg.schedule(), cfg.model.architecture())
+        if mismatch:
+            raise ValueError(f"resume={cfg.resume}: {mismatch}")

@@ -1,0 +1,37 @@
+"""Saving every worker's state: when, and what."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from loguru import logger
+
+from decent_train.components.checkpoint import save_checkpoint
+from decent_train.training.job import Job
+
+
+class Checkpointer:
+    """Saves every ``checkpoint.every`` steps and after the last (never when ``checkpoint.every`` is 0)."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+
+    def should_save(self, step: int) -> bool:
+        every = self.job.cfg.checkpoint.every
+        return every > 0 and (step % every == 0 or step == self.job.total_steps)
+
+    def save(self, step: int) -> None:
+        """This worker's state at ``step`` (the caller has checked the loss is finite)."""
+        job, cfg = self.job, self.job.cfg
+        state = {
+            "step": step,
+            "data_position": job.data_start + (step - job.start_step) * cfg.accum_steps,  # micro-batches taken
+            "batch_size": job.batch_size,
+            "model": job.algo.net.state_dict(),
+            "algorithm": job.algo.state_dict(),
+            "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state(job.device) if job.device.type == "cuda" else None,
+        }
+        path = save_checkpoint(job.run_dir, step, state, cfg.schedule(dist.get_world_size()), cfg.model.architecture(),
+                               cfg.checkpoint.keep, job.run_world)
+        logger.debug(f"checkpoint {path}")

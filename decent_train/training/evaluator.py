@@ -1,0 +1,54 @@
+"""Evaluation of the workers' average model: when, and how."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from decent_train.components.data import Datasets
+from decent_train.config import TrainConfig
+from decent_train.engine.comm import peers_must_answer, run_collective
+from decent_train.training.forward import Precision, cross_entropy
+from decent_train.training.job import Job
+
+
+@torch.no_grad()
+def evaluate(
+    net: nn.Module, cfg: TrainConfig, data: Datasets, device: torch.device, precision: Precision
+) -> dict[str, float]:
+    """Loss and accuracy (next-token accuracy for tokens) on the whole evaluation set; each worker evaluates a
+    disjoint slice and the sums are reduced."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    was_training = net.training
+    net.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
+    batches = data.device_eval_batches(cfg.eval_batch_size, rank, world, device=device, channels_last=cfg.channels_last)
+    for x, y in batches:
+        with precision.autocast():
+            logits = net(x)
+        sums[0] += cross_entropy(logits.float(), y, reduction="sum").double()
+        sums[1] += (logits.argmax(dim=-1) == y).sum()
+        sums[2] += y.numel()
+    with peers_must_answer("the evaluation's all-reduce"):
+        run_collective(dist.all_reduce, sums)
+    net.train(was_training)
+    loss, correct, count = sums.tolist()
+    return {"eval/loss": loss / count, "eval/accuracy": correct / count}
+
+
+class Evaluator:
+    """Evaluates the global average of the workers' models every ``eval_every`` steps and after the last."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+
+    def should_evaluate(self, step: int) -> bool:
+        every = self.job.cfg.eval_every
+        return step == self.job.total_steps or (every > 0 and step % every == 0)
+
+    def evaluate(self) -> dict[str, float]:
+        """Every rank calls it at the same step: the average is formed, evaluated, and the local models restored."""
+        job = self.job
+        with job.algo.averaged():
+            return evaluate(job.algo.net, job.cfg, job.data, job.device, job.precision)

@@ -1,0 +1,31 @@
+"""What the training loop and its components work with, built once by ``train``."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from decent_train.algorithms.base import Algorithm
+from decent_train.components.data import Datasets
+from decent_train.config import TrainConfig
+from decent_train.training.forward import Precision
+
+
+@dataclasses.dataclass
+class Job:
+    """One run of training on this worker."""
+
+    cfg: TrainConfig
+    algo: Algorithm
+    data: Datasets
+    batch_size: int  # per worker and micro-batch
+    precision: Precision
+    device: torch.device
+    total_steps: int
+    steps_per_epoch: int
+    run_dir: Path
+    start_step: int  # steps already taken (a resumed run)
+    data_start: int  # micro-batches of this worker's stream already taken (re-sharded when the world size changed)
+    run_world: int  # the world size the run started with (its epochs are counted in it)

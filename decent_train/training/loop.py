@@ -1,0 +1,86 @@
+"""The training loop: steps, and at each step the recorder, the evaluator and the checkpointer say whether it is
+theirs. Each owns its state; the loop only orders them."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from loguru import logger
+from torch import nn
+
+from decent_train.components.metrics import MetricLogger
+from decent_train.training.checkpointer import Checkpointer
+from decent_train.training.evaluator import Evaluator
+from decent_train.training.forward import cross_entropy
+from decent_train.training.job import Job
+from decent_train.training.recorder import Recorder
+
+OnRecord = Callable[[dict[str, Any], nn.Module], None]
+
+
+def train_loop(job: Job, metrics: MetricLogger, on_record: OnRecord | None) -> dict[str, Any]:
+    """Train from ``job.start_step`` to ``job.total_steps``; the run's result (accuracy, losses, throughput)."""
+    cfg, algo, precision = job.cfg, job.algo, job.precision
+    batches = job.data.device_train_batches(
+        job.batch_size, dist.get_rank(), dist.get_world_size(), cfg.seed, start=job.data_start, device=job.device,
+        channels_last=cfg.channels_last,
+    )
+    recorder, evaluator, checkpointer = Recorder(job, metrics), Evaluator(job), Checkpointer(job)
+    batches = recorder.timed(batches)
+    for step in range(job.start_step + 1, job.total_steps + 1):
+        if algo.begin_step(step - 1):
+            logger.info(f"step {step}: phase {algo.phase} ({algo.phase_name}) begins")
+        for micro in range(cfg.accum_steps):
+            x, y = next(batches)
+            with contextlib.nullcontext() if micro == cfg.accum_steps - 1 else algo.no_sync():
+                with precision.autocast():
+                    loss = cross_entropy(algo.model(x), y, label_smoothing=cfg.label_smoothing)
+                precision.scaler.scale(loss / cfg.accum_steps).backward()
+            recorder.add_loss(loss, step)
+        algo.step()
+        recorder.end_step()
+
+        evaluate_now = evaluator.should_evaluate(step)
+        record_now = evaluate_now or recorder.should_record(step)
+        save_now = checkpointer.should_save(step)
+        if record_now or save_now:
+            recorder.check_finite()
+        if record_now:
+            record = recorder.measure(step)
+            if on_record is not None:
+                on_record(record, algo.net)
+            if evaluate_now:
+                with recorder.paused():
+                    record.update(evaluator.evaluate())
+            recorder.log(record)
+        if save_now:  # after the step's record: a run resumed here logs from the next step on
+            with recorder.paused():
+                checkpointer.save(step)
+    recorder.close()
+    return _result(job, recorder, evaluator)
+
+
+def _result(job: Job, recorder: Recorder, evaluator: Evaluator) -> dict[str, Any]:
+    """Average the workers' models if asked; what ``result.json`` reports of the training."""
+    record, train_seconds = recorder.last, recorder.train_seconds
+    if not record:  # resumed from the final checkpoint: only the evaluation of the average is left
+        record = {"train/loss": math.nan, **evaluator.evaluate()}
+        train_seconds = math.inf
+    if job.cfg.final_average:
+        job.algo.average()  # the final model is the average of the workers' models
+    samples_per_step, world = recorder.samples_per_step, dist.get_world_size()
+    trained = (job.total_steps - job.start_step) * samples_per_step * world  # in this run (after a resume: since it)
+    return {
+        "eval/accuracy": record["eval/accuracy"],
+        "eval/loss": record["eval/loss"],
+        "train/loss": record["train/loss"],
+        "steps": job.total_steps,
+        "resumed_from_step": job.start_step,
+        "samples": job.total_steps * samples_per_step * world,
+        "train_time_s": train_seconds,
+        "throughput/samples_per_s": trained / train_seconds,
+    }

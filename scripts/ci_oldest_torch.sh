@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# CI's second job: the inner-loop tests (pytest -m "not slow") on the oldest torch that pyproject.toml admits.
+#
+# Creates a virtual environment in a temporary folder (removed at the end), installs torch and torchvision at the
+# floor's versions, then the package with its test extras under a constraint that keeps them there (pip would
+# otherwise upgrade to the newest it may), and runs the tests from the repository root. Set OLDEST_TORCH_VENV to a
+# folder to keep the environment there and reuse it on the next run. Exit status: pytest's (5, no tests, reads 0).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+# "===": exactly this version, the build that PyPI ships. "==" would also admit a local build such as 2.13.0+cpu, which
+# ranks higher, but the only torchvision 0.28.0 there is is built against the CUDA one (its operators fail to load).
+TORCH_VERSION=2.13.0        # pyproject.toml: torch>=2.13
+TORCHVISION_VERSION=0.28.0  # pyproject.toml: torchvision>=0.28
+
+start=$(date +%s)
+if [ -n "${OLDEST_TORCH_VENV:-}" ]; then
+  venv=$OLDEST_TORCH_VENV
+else
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
+  venv=$tmp/venv
+fi
+constraints=$(dirname "$venv")/oldest-torch-constraints.txt
+mkdir -p "$(dirname "$venv")"
+printf 'torch===%s\ntorchvision==%s\n' "$TORCH_VERSION" "$TORCHVISION_VERSION" > "$constraints"
+
+if [ ! -x "$venv/bin/python" ]; then
+  python -m venv "$venv" || exit 1
+fi
+py=$venv/bin/python
+"$py" -m pip install -q "torch===$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION" || exit 1
+"$py" -m pip install -q -c "$constraints" -e ".[test]" || exit 1
+"$py" -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)"
+installed=$(date +%s)
+
+"$py" -m pytest -q -m "not slow"
+code=$?
+echo "oldest torch: install $((installed - start)) s, tests $(($(date +%s) - installed)) s, pytest exit $code"
+if [ "$code" -eq 5 ]; then
+  echo "pytest collected no tests (exit 5)"
+  exit 0
+fi
+exit "$code"
