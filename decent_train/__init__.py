@@ -7,7 +7,6 @@ submodules keep working after renaming the package: ``decent_train.ddp``, ``dece
 
 from decent_train.engine import *  # noqa: F403
 from decent_train.engine import __all__ as _engine_all
-from decent_train.engine import optim, topology
 from decent_train.engine.compat import alias_decent_dp_modules
 
 alias_decent_dp_modules(__name__)

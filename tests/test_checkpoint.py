@@ -33,7 +33,7 @@ from decent_train.components.data import build_datasets
 from decent_train.config import DIVERGED_FILE, MODEL_FILE, RESULT_FILE
 from decent_train.launcher.preflight import preflight
 from decent_train.engine.ddp import ExchangeError
-from decent_train.engine.optim import optim_fn_accum_adamw
+from decent_train.engine.optimizers import optim_fn_accum_adamw
 from decent_train.engine.comm import peers_must_answer
 
 from .distributed import WorkerError, run_workers

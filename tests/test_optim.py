@@ -1,4 +1,4 @@
-"""Tests for decent_train.engine.optim.
+"""Tests for decent_train.engine.optimizers.
 
 Every check compares against an independent oracle: decent-dp 0.2.3 (the baseline whose
 behaviour we match), torch's own Adam/AdamW/LR schedulers, or a separately stepped
@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from decent_train.engine.optim import (
+from decent_train.engine.optimizers import (
     AccumAdam,
     AccumAdamW,
     lr_scheduler_fn_cosine_with_warmup,

@@ -14,7 +14,7 @@ from decent_train.algorithms.base import Algorithm, register
 from decent_train.components.metrics import allreduce_bytes_per_step
 from decent_train.components.optim import make_optim_fn
 from decent_train.config import TrainConfig
-from decent_train.engine.optim import LRSchedulerFn
+from decent_train.engine.optimizers import LRSchedulerFn
 
 
 @register("allreduce")

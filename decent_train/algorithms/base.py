@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from decent_train.config import ALGORITHM_TRAITS, AlgorithmTraits, TrainConfig, register_algorithm
-from decent_train.engine.optim import LRSchedulerFn
+from decent_train.engine.optimizers import LRSchedulerFn
 
 
 class Algorithm(ABC):

@@ -8,7 +8,7 @@ from functools import partial
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
-from decent_train.engine.optim import (
+from decent_train.engine.optimizers import (
     LRSchedulerFn,
     OptimFn,
     lr_scheduler_fn_cosine_with_warmup,

@@ -2,7 +2,7 @@
 
 from decent_train.engine.compat import LR_SCHEDULER_FN_TYPE, OPTIM_FN_TYPE, initialize_dist
 from decent_train.engine.ddp import ALLREDUCE, DecentralizedDataParallel, ExchangeError
-from decent_train.engine.optim import (
+from decent_train.engine.optimizers import (
     AccumAdam,
     AccumAdamW,
     lr_scheduler_fn_cosine_with_warmup,

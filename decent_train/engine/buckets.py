@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from decent_train.engine.exchange import ExchangeBuffers
-from decent_train.engine.optim import LRSchedulerFn, OptimFn
+from decent_train.engine.optimizers import LRSchedulerFn, OptimFn
 from decent_train.engine.topology import Edge
 
 __all__ = ["Bucket", "PendingExchange", "build_buckets", "slice_like"]

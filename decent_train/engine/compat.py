@@ -13,9 +13,9 @@ from types import ModuleType
 import torch
 import torch.distributed as dist
 
-from decent_train.engine import optim, topology
+from decent_train.engine import optimizers, topology
 from decent_train.engine.ddp import DecentralizedDataParallel
-from decent_train.engine.optim import LRSchedulerFn, OptimFn
+from decent_train.engine.optimizers import LRSchedulerFn, OptimFn
 
 __all__ = ["DecentralizedDataParallel", "LR_SCHEDULER_FN_TYPE", "OPTIM_FN_TYPE", "initialize_dist"]
 
@@ -40,6 +40,6 @@ def initialize_dist() -> tuple[int, int]:
 def alias_decent_dp_modules(package: str) -> None:
     """Register decent-dp's submodule names under ``package`` (``import package.ddp`` and friends)."""
     this: ModuleType = sys.modules[__name__]
-    for alias, module in {"ddp": this, "utils": this, "optim": optim, "topo": topology}.items():
+    for alias, module in {"ddp": this, "utils": this, "optim": optimizers, "topo": topology}.items():
         sys.modules[f"{package}.{alias}"] = module
         setattr(sys.modules[package], alias, module)

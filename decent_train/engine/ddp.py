@@ -55,7 +55,7 @@ from decent_train.engine.compress import CompressedGossip, Compressor, check_con
 from decent_train.engine.exchange import MESSAGE_TAGS, Exchanger
 from decent_train.engine.membership import Membership, TopologySpec
 from decent_train.engine.modes import ALLREDUCE, AllReduceMode, GossipMode, Mode, ModeContext, Progress
-from decent_train.engine.optim import LRSchedulerFn, OptimFn
+from decent_train.engine.optimizers import LRSchedulerFn, OptimFn
 from decent_train.engine.steps import BucketSteps
 from decent_train.engine.topology import Topology
 
