@@ -38,8 +38,7 @@ from decent_train.engine.comm import peers_must_answer
 
 from .distributed import WorkerError, run_workers
 from .replay import loss_fn, make_model, replay, snapshot, topology_for
-from .test_cli import COMMAND, check_succeeded, decent_train
-from .test_worker import WORLD, _train, make_cfg, records
+from .jobs import COMMAND, WORLD, check_succeeded, decent_train, make_cfg, records, train_on_cpu
 
 ADAMW = partial(optim_fn_accum_adamw, lr=0.01, accum_iter=2, weight_decay=0.1)
 SCHEDULE = partial(lr_scheduler_fn_cosine_with_warmup, t_max=12, t_warmup=3)
@@ -178,7 +177,7 @@ TIMING = ("time/", "throughput/", "memory/")
 
 
 def _run(cfg: Any) -> dict[str, Any]:
-    return run_workers(_train, WORLD, cfg)[0]
+    return run_workers(train_on_cpu, WORLD, cfg)[0]
 
 
 def _same_params(a: Path, b: Path) -> None:
@@ -283,7 +282,7 @@ def test_checkpoint_of_another_model_is_refused_by_name(uninterrupted: Path, tmp
     first = next(iter(torch.load(uninterrupted / MODEL_FILE)))  # the model's first tensor: the input layer's weight
     with pytest.raises(WorkerError, match=rf"ValueError: .*step_00000009 holds another model: {re.escape(first)} is "
                                           r"of shape \[32, 64\] there and of shape \[32, 16\] here; "):
-        run_workers(_train, WORLD, other_data)
+        run_workers(train_on_cpu, WORLD, other_data)
 
 
 @pytest.mark.slow
@@ -323,7 +322,7 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_good_checkpoints(tmp_path:
     )
     assert 2 < first <= cfg.steps, "the poisoned sample must be met mid-run for this test"
     with pytest.raises(WorkerError, match=rf"NonFiniteLoss: train/loss is NaN or infinite from step {first} on"):
-        run_workers(_train, WORLD, cfg)
+        run_workers(train_on_cpu, WORLD, cfg)
     steps = [c.step for c in complete_checkpoints(tmp_path / "run")]
     assert steps == [s for s in range(cfg.steps, 0, -1) if s % 2 == 0 and s < first]
     assert not (tmp_path / "run" / RESULT_FILE).exists()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,23 +19,10 @@ from decent_train.components.data import build_datasets
 from decent_train.components.models import build_model
 from decent_train.config import load_config
 
-from .test_worker import records
+from .jobs import COMMAND, check_succeeded, decent_train, records, start
 
-COMMAND = Path(sys.executable).parent / "decent-train"
 QUIET = ["logger.progress_bar=false"]
 SMALL = ["launch.nproc_per_node=2", "model=mlp", "steps=10", *QUIET]
-
-
-def decent_train(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(COMMAND), *args], cwd=cwd, capture_output=True, text=True, timeout=300)
-
-
-def start(*args: str, cwd: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([str(COMMAND), *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def check_succeeded(proc: subprocess.CompletedProcess[str]) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
 
 
 @pytest.mark.slow

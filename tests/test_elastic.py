@@ -24,7 +24,7 @@ from decent_train.config import LaunchConfig, check_config, node_range
 from decent_train.launcher.cli import shipped_dir
 from decent_train.launcher.launch import torchrun_command
 
-from .test_cli import COMMAND, check_succeeded
+from .jobs import COMMAND, check_succeeded
 from .test_slurm import SBATCH_SCRIPT, script_env
 
 ELASTIC = {"nnodes": "1:2", "rdzv_endpoint": "node1:29400", "rdzv_id": "job7"}

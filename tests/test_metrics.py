@@ -16,7 +16,7 @@ from decent_train.components.metrics import allreduce_bytes_per_step, gossip_byt
 from decent_train.training import train
 
 from .distributed import run_workers
-from .test_worker import make_cfg, records
+from .jobs import make_cfg, records
 
 
 def _train_and_dump(rank: int, world: int, cfg: Any, dump_dir: Path) -> None:

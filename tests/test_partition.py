@@ -31,8 +31,7 @@ from decent_train.training import train
 from .datafiles import write_image_folder, write_token_files
 from .distributed import run_workers
 from .test_checkpoint import CHECKPOINTED, _crash_after, _measured, _same_params
-from .test_cli import decent_train
-from .test_worker import WORLD, make_cfg, records
+from .jobs import WORLD, decent_train, make_cfg, records
 
 CLASSES = 10  # digits
 

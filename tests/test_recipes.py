@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +17,12 @@ from omegaconf import OmegaConf
 
 from decent_train import topology_names
 import decent_train.launcher.cli  # noqa: F401 - registers the config schema Hydra composes against
-from decent_train.config import MODEL_FILE, RESULT_FILE, TrainConfig, check_config
+from decent_train.config import MODEL_FILE, RESULT_FILE, check_config
 from decent_train.launcher.preflight import preflight
-from decent_train.training import train
 
 from .datafiles import write_cifar, write_image_folder, write_token_files
 from .distributed import run_workers
+from .jobs import COMMAND, train_on_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
@@ -126,17 +125,12 @@ def tiny_overrides(name: str, data: dict[str, Path]) -> list[str]:
     return common
 
 
-def _train(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
-    torch.set_num_threads(1)
-    return train(cfg, Path(cfg.run.output_dir), torch.device("cpu"))
-
-
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_trains_a_few_steps(name: str, data_dirs: dict[str, Path], tmp_path: Path) -> None:
     cfg = compose_recipe(name, tiny_overrides(name, data_dirs))
     cfg["run"]["output_dir"] = str(tmp_path)
     train_cfg = check_config(cfg)
-    results = run_workers(_train, WORLD, train_cfg, timeout=240)
+    results = run_workers(train_on_cpu, WORLD, train_cfg, timeout=240)
     assert all(r["steps"] == 2 for r in results)
     result = json.loads((tmp_path / RESULT_FILE).read_text())
     assert math.isfinite(result["train/loss"]) and math.isfinite(result["eval/loss"]) and 0 <= result["eval/accuracy"] <= 1
@@ -149,9 +143,8 @@ def test_recipe_trains_a_few_steps(name: str, data_dirs: dict[str, Path], tmp_pa
 @pytest.mark.slow
 def test_recipe_runs_from_the_command_line(data_dirs: dict[str, Path], tmp_path: Path) -> None:
     """The documented short form, ``decent-train -cn NAME``, from a directory that is not the checkout."""
-    exe = Path(sys.executable).parent / "decent-train"
     overrides = tiny_overrides("resnet18_cifar10", data_dirs) + [f"hydra.run.dir={tmp_path / 'run'}"]
-    proc = subprocess.run([str(exe), "-cn", "resnet18_cifar10", *overrides], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([str(COMMAND), "-cn", "resnet18_cifar10", *overrides], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     resolved = OmegaConf.load(tmp_path / "run" / "resolved_config.yaml")
     assert resolved.model.name == "resnet18" and resolved.model.small_stem and resolved.precision == "bf16"
@@ -160,9 +153,8 @@ def test_recipe_runs_from_the_command_line(data_dirs: dict[str, Path], tmp_path:
 
 def dry_sweep(recipe: str, tmp_path: Path) -> list[Path]:
     """``decent-train -m -cn RECIPE dry_run=true``: each job's resolved config, in job order (fewer than 10 jobs)."""
-    exe = Path(sys.executable).parent / "decent-train"
     proc = subprocess.run(
-        [str(exe), "-m", "-cn", recipe, "dry_run=true", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+        [str(COMMAND), "-m", "-cn", recipe, "dry_run=true", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr

@@ -24,8 +24,7 @@ from decent_train.training.resume import resharded_start
 
 from .distributed import run_workers
 from .replay import loss_fn, make_model
-from .test_cli import check_succeeded, decent_train
-from .test_worker import records
+from .jobs import check_succeeded, decent_train, records
 
 ADAM = partial(optim_fn_adam, lr=0.01)
 MODEL = {"name": "test"}

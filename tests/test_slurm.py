@@ -18,7 +18,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from .test_cli import check_succeeded, decent_train
+from .jobs import check_succeeded, decent_train
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER_SCRIPT = ROOT / "scripts" / "slurm_cluster.sh"

@@ -20,37 +20,14 @@ from torch import Tensor, nn
 from decent_train.components.data import Datasets, build_datasets
 from decent_train.components.models import build_model
 from decent_train.components.optim import make_optim_fn, make_scheduler_fn
-from decent_train.config import METRICS_FILE, MODEL_FILE, PRECISIONS, RESULT_FILE, TrainConfig, check_config
+from decent_train.config import METRICS_FILE, MODEL_FILE, PRECISIONS, RESULT_FILE, TrainConfig
 from decent_train.training import train
 
 from .datafiles import write_token_files
 from .distributed import run_workers
+from .jobs import WORLD, make_cfg, records, train_on_cpu
 from .replay import replay
 
-WORLD = 2
-
-
-def make_cfg(run_dir: Path, **overrides: Any) -> TrainConfig:
-    cfg: dict[str, Any] = {
-        "model": {"name": "mlp", "hidden_sizes": [32]},
-        "optim": {"name": "accum_adamw", "lr": 0.01, "accum_iter": 2},
-        "scheduler": {"name": "cosine", "warmup_steps": 2},
-        "launch": {"nproc_per_node": WORLD},
-        "logger": {"log_every": 2, "progress_bar": False},
-        "steps": 6,
-        "batch_size": 16,
-        "accum_steps": 2,
-        "eval_every": 3,
-        "seed": 7,
-        "run": {"output_dir": str(run_dir)},
-    }
-    for key, value in overrides.items():
-        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
-    return check_config(cfg)
-
-
-def _train(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
-    return train(cfg, Path(cfg.run.output_dir), torch.device("cpu"))
 
 
 def worker_batches(cfg: TrainConfig, data: Datasets) -> list[list[tuple[Tensor, Tensor]]]:
@@ -85,11 +62,6 @@ def accuracy(model: nn.Module, data: Datasets, cfg: TrainConfig) -> float:
     model.eval()
     with torch.no_grad(), autocast(cfg):
         return (model(x).argmax(-1) == y).double().mean().item()
-
-
-def records(run_dir: Path) -> list[dict[str, Any]]:
-    """The run's metrics.jsonl, one dict per record."""
-    return [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
 
 
 def logged_losses(run_dir: Path) -> dict[int, float]:
@@ -152,7 +124,7 @@ RUNS = {
 def test_decentralized_run_matches_replay(tmp_path: Path, run: str) -> None:
     cfg = make_cfg(tmp_path, **RUNS[run](tmp_path))
     topology = cfg.topology.name
-    run_workers(_train, WORLD, cfg)
+    run_workers(train_on_cpu, WORLD, cfg)
 
     data = build_datasets(cfg.dataset)
     batches = worker_batches(cfg, data)
@@ -191,7 +163,7 @@ def test_decentralized_run_matches_replay(tmp_path: Path, run: str) -> None:
 
 def test_allreduce_run_matches_single_process(tmp_path: Path) -> None:
     cfg = make_cfg(tmp_path, algorithm="allreduce", optim={"name": "adamw"}, grad_clip_norm=0.5)
-    run_workers(_train, WORLD, cfg)
+    run_workers(train_on_cpu, WORLD, cfg)
 
     data = build_datasets(cfg.dataset)
     batches = worker_batches(cfg, data)
@@ -263,5 +235,5 @@ def test_phases_longer_than_an_epoch_based_run_fail_before_training(tmp_path: Pa
 
     cfg = make_cfg(tmp_path, steps=0, epochs=0.1, phases=[{"algorithm": "allreduce", "steps": 10_000}, {}])
     with pytest.raises(WorkerError, match="phases before the last take 10000 steps, but the run has 3 "):
-        run_workers(_train, WORLD, cfg)
+        run_workers(train_on_cpu, WORLD, cfg)
     assert not (tmp_path / METRICS_FILE).exists()

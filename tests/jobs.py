@@ -1,0 +1,60 @@
+"""Running a job in tests: a small worker-level config, training it in fork-started workers (tests/distributed.py),
+the ``decent-train`` command in a subprocess, and reading what a run wrote. Plain functions, not fixtures: the
+training helpers run inside forked workers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from decent_train.config import METRICS_FILE, TrainConfig, check_config
+from decent_train.training import train
+
+WORLD = 2
+COMMAND = Path(sys.executable).parent / "decent-train"
+
+
+def make_cfg(run_dir: Path, **overrides: Any) -> TrainConfig:
+    cfg: dict[str, Any] = {
+        "model": {"name": "mlp", "hidden_sizes": [32]},
+        "optim": {"name": "accum_adamw", "lr": 0.01, "accum_iter": 2},
+        "scheduler": {"name": "cosine", "warmup_steps": 2},
+        "launch": {"nproc_per_node": WORLD},
+        "logger": {"log_every": 2, "progress_bar": False},
+        "steps": 6,
+        "batch_size": 16,
+        "accum_steps": 2,
+        "eval_every": 3,
+        "seed": 7,
+        "run": {"output_dir": str(run_dir)},
+    }
+    for key, value in overrides.items():
+        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
+    return check_config(cfg)
+
+
+def train_on_cpu(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
+    """``run_workers``' target: train ``cfg`` into its ``run.output_dir`` on the CPU."""
+    return train(cfg, Path(cfg.run.output_dir), torch.device("cpu"))
+
+
+def records(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's metrics.jsonl, one dict per record."""
+    return [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
+
+
+def decent_train(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(COMMAND), *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def start(*args: str, cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([str(COMMAND), *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def check_succeeded(proc: subprocess.CompletedProcess[str]) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
