@@ -195,11 +195,11 @@ class DatasetConfig:
 
     def check_partition(self, world_sizes: list[int]) -> None:
         """``classes`` can serve each of ``world_sizes``: every class held by some worker (the labels are counted
-        from the config, or read from npz's y: no worker needed)."""
+        from the config, or read from npz's y: no worker needed). Call it after ``check_files`` (the preflight does):
+        npz counts its labels from train.npz."""
         count = self.kind.classes
         if self.partition != "classes" or count is None:  # None: __post_init__ allows only iid
             return
-        self.check_files()  # npz counts its labels from train.npz: a missing file is the layout's one-line error
         classes = count(self)
         for world in world_sizes:
             check_classes_per_worker(self.classes_per_worker, world, classes)
