@@ -53,6 +53,7 @@ from decent_train.engine.buckets import Bucket, build_buckets
 from decent_train.engine.comm import CommWaits, ExchangeError
 from decent_train.engine.compress import CompressedGossip, Compressor, check_consensus_step, make_compressor
 from decent_train.engine.exchange import MESSAGE_TAGS, Exchanger
+from decent_train.engine.host_memory import keep_freed_host_memory
 from decent_train.engine.membership import Membership, TopologySpec
 from decent_train.engine.modes import ALLREDUCE, AllReduceMode, GossipMode, Mode, ModeContext, Progress
 from decent_train.engine.optimizers import LRSchedulerFn, OptimFn
@@ -191,6 +192,9 @@ class DecentralizedDataParallel(nn.Module):
         self._members.create_exchange_group(
             next((b.flat.device for b in self._buckets if b.flat.device.type == "cuda"), torch.device("cpu"))
         )
+        host_memory = next(
+            (keep_freed_host_memory() for b in self._buckets if b.flat.device.type == "cpu"), "no CPU parameters"
+        )
         message_bytes = max(1, int(message_size_in_mb * 2**20)) if message_size_in_mb else 0
         exchanger = Exchanger(self._members.rank, self._members.exchange_group, message_bytes, self._consensus_step)
         messages = max((len(exchanger.pieces(b.flat)) for b in self._buckets), default=0)
@@ -210,7 +214,9 @@ class DecentralizedDataParallel(nn.Module):
         self._start_compression(identical=True)
         if self._members.rank == 0:
             sizes = ", ".join(f"{nbytes / 2**20:.2f}" for nbytes in self.bucket_bytes)
-            logger.debug(f"DecentralizedDataParallel: {self._mode.label}; {len(self._buckets)} buckets, MB: {sizes}")
+            logger.debug(
+                f"DecentralizedDataParallel: {self._mode.label}; {len(self._buckets)} buckets, MB: {sizes}; {host_memory}"
+            )
 
     # -- construction -------------------------------------------------------------------------------------------
     def _make_mode(self, topology: TopologySpec, start: int) -> Mode:
