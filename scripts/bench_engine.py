@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import resource
 import shlex
 import statistics
 import sys
@@ -57,6 +58,7 @@ from torch.autograd.profiler import record_function
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # decent_train from this checkout, installed or not
 
 from decent_train.engine.compress import COMPRESSORS  # noqa: E402
+from decent_train.engine.host_memory import keep_freed_host_memory  # noqa: E402
 
 Step = Callable[[Tensor, Tensor], None]
 
@@ -103,13 +105,16 @@ def optim_fn(optim: str) -> Callable[[list[tuple[str, Tensor]]], torch.optim.Opt
 
 
 def training_step(model: nn.Module, step_optimizer: Callable[[], None] | None = None) -> Step:
-    """forward, backward and (for plain loops) the optimizer step, each in a profiler scope (``phase_breakdown``)."""
+    """forward, backward and (for plain loops) the optimizer step, each in a profiler scope (``phase_breakdown``).
+    An engine's loop is decent-dp's documented one: ``model.zero_grad()`` before backward."""
 
     def step(x: Tensor, y: Tensor) -> None:
         with record_function("bench.step"):
             with record_function("bench.forward"):
                 loss = F.cross_entropy(model(x), y)
             with record_function("bench.backward"):
+                if step_optimizer is None:
+                    model.zero_grad()
                 loss.backward()
             if step_optimizer is not None:
                 step_optimizer()
@@ -191,14 +196,18 @@ def implementations(
     ]
 
 
-def summarize(rates: dict[str, list[float]], wire: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
+def summarize(
+    rates: dict[str, list[float]], wire: dict[str, list[float]], faults: dict[str, list[float]]
+) -> dict[str, dict[str, Any]]:
     """Per implementation: its samples/s, their median, min and max, the median's ratios to the communication-free
-    loop's and DDP's (None where they were not measured), and the median of its loopback bytes per step."""
+    loop's and DDP's (None where they were not measured), and the medians of its loopback bytes and page faults per
+    step."""
     med = {name: statistics.median(r) for name, r in rates.items()}
     return {name: {"samples_per_s": r, "median": med[name], "min": min(r), "max": max(r),
                    "vs_local": med[name] / med["local"] if "local" in med else None,
                    "vs_ddp": med[name] / med["ddp"] if "ddp" in med else None,
-                   "wire_bytes_per_step": statistics.median(wire[name])}
+                   "wire_bytes_per_step": statistics.median(wire[name]),
+                   "page_faults_per_step": statistics.median(faults[name])}
             for name, r in rates.items()}
 
 
@@ -218,19 +227,23 @@ def loopback_bytes() -> int:
     return 0
 
 
-def timed_run(step: Step, batches: list[tuple[Tensor, Tensor]], warmup: int, steps: int) -> tuple[float, float]:
-    """Seconds for ``steps`` steps after ``warmup`` ones (the slowest rank's), and the loopback bytes per step."""
+def timed_run(
+    step: Step, batches: list[tuple[Tensor, Tensor]], warmup: int, steps: int
+) -> tuple[float, float, float]:
+    """Seconds for ``steps`` steps after ``warmup`` ones (the slowest rank's), the loopback bytes per step, and the
+    page faults per step (the rank with most): memory mapped afresh every step (engine/host_memory.py)."""
     for i in range(warmup):
         step(*batches[i % len(batches)])
     dist.barrier()
-    sent, start = loopback_bytes(), time.perf_counter()
+    sent, faults, start = loopback_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
     for i in range(steps):
         step(*batches[i % len(batches)])
     dist.barrier()  # inside the window: it ends when the slowest rank is done, the same on every rank
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    measured = torch.tensor([time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults],
+                            dtype=torch.float64)
     sent = loopback_bytes() - sent
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item(), sent / steps
+    dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+    return measured[0].item(), sent / steps, measured[1].item() / steps
 
 
 def measure_link(numel: int, repeats: int, message_numel: int = 0) -> float | None:
@@ -354,6 +367,9 @@ def main() -> None:
     setup = Setup(args.optim, args.bucket_mb, args.local_world_size)
 
     torch.set_num_threads(1)
+    # Every implementation on the allocator setting the engine makes (engine/host_memory.py): freeing the link test's
+    # 26 MB buffers would do the same by accident, and the plain loop and DDP must not run on a worse one.
+    keep_freed_host_memory()
     dist.init_process_group(backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
@@ -398,15 +414,17 @@ def main() -> None:
 
     rates: dict[str, list[float]] = {name: [] for name in steps}
     wire: dict[str, list[float]] = {name: [] for name in steps}
+    faults: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.repeats):
         for name, step in steps.items():
-            seconds, sent = timed_run(step, batches, args.warmup, args.steps)
+            seconds, sent, faulted = timed_run(step, batches, args.warmup, args.steps)
             rates[name].append(args.batch * world * args.steps / seconds)
             wire[name].append(sent)
+            faults[name].append(faulted)
     phases = {name: phase_breakdown(step, batches, args.phases) for name, step in steps.items()} if args.phases else {}
 
     if rank == 0:
-        results = summarize(rates, wire)
+        results = summarize(rates, wire, faults)
         med = {name: r["median"] for name, r in results.items()}
         ours_vs_dp = {
             t: med[f"decent_train/{t}"] / med[f"decent_dp/{t}"]
@@ -428,12 +446,12 @@ def main() -> None:
             print(f"link: the same in {args.message_mb:g} MB messages takes {1000 * link_split_seconds:.1f} ms: "
                   f"{parameters * 32 / link_split_seconds / 1e9:.2f} Gbit/s each way")
         print(f"{'implementation':<34} {'samples/s':>10} {'min':>10} {'max':>10} {'vs local':>9} {'vs ddp':>7} "
-              f"{'MB/step':>8}")
+              f"{'MB/step':>8} {'faults/step':>11}")
         for name, r in results.items():
             ratios = " ".join(f"{x:>{w}.3f}" if x is not None else f"{'-':>{w}}"
                               for x, w in ((r["vs_local"], 9), (r["vs_ddp"], 7)))
             print(f"{name:<34} {r['median']:>10.1f} {r['min']:>10.1f} {r['max']:>10.1f} {ratios} "
-                  f"{r['wire_bytes_per_step'] / 1e6:>8.1f}")
+                  f"{r['wire_bytes_per_step'] / 1e6:>8.1f} {r['page_faults_per_step']:>11.0f}")
         for name, reason in skipped.items():
             print(f"{name:<34} skipped: {reason}")
         for t, ratio in ours_vs_dp.items():

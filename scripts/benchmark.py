@@ -203,7 +203,8 @@ def run_separately(
     skipped = {name: runs[0]["skipped"].get(name, "failed in some round") for name, runs in launches.items()
                if name not in rates}
     wire = {name: [run["results"][name]["wire_bytes_per_step"] for run in launches[name]] for name in rates}
-    results = bench_engine.summarize(rates, wire)
+    faults = {name: [run["results"][name]["page_faults_per_step"] for run in launches[name]] for name in rates}
+    results = bench_engine.summarize(rates, wire, faults)
     phases = {
         name: {phase: statistics.median(run["phases"][name][phase] for run in launches[name])
                for phase in bench_engine.PHASES}
@@ -216,8 +217,8 @@ def run_separately(
     for name, r in results.items():
         ratios = ", ".join(f"{x:.3f}x {what}" for x, what in ((r["vs_local"], "local"), (r["vs_ddp"], "DDP"))
                            if x is not None)
-        print(f"  {name:<34} {r['median']:>8.1f} samples/s ({ratios}); rounds: "
-              + ", ".join(f"{x:.0f}" for x in r["samples_per_s"]))
+        print(f"  {name:<34} {r['median']:>8.1f} samples/s ({ratios}), {r['page_faults_per_step']:.0f} page faults/step;"
+              " rounds: " + ", ".join(f"{x:.0f}" for x in r["samples_per_s"]))
     if phases:
         bench_engine.print_phases(phases)
     return merged
