@@ -5,6 +5,7 @@ training helpers run inside forked workers."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -52,8 +53,9 @@ def decent_train(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(COMMAND), *args], cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
-def start(*args: str, cwd: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([str(COMMAND), *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def start(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen([str(COMMAND), *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **env} if env else None)
 
 
 def check_succeeded(proc: subprocess.CompletedProcess[str]) -> None:

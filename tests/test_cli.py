@@ -118,7 +118,9 @@ BAD_INPUTS = {
     "missing dataset dir": (["dataset=npz", "dataset.root=/no/such/dir"], ["/no/such/dir", "train.npz"]),
     "unknown algorithm": (["algorithm=gossip"], ["algorithm=gossip", "allreduce, decentralized"]),
     **({"cuda without a GPU": (["launch=gpu"], ["launch.device=cuda", "launch.device=cpu"])} if not torch.cuda.is_available() else {}),
+    "engine environment": ([], ["DECENT_TRAIN_COMPILED_INT8='yes'", "auto, always, never"]),
 }
+BAD_ENVIRONMENT = {"engine environment": {"DECENT_TRAIN_COMPILED_INT8": "yes"}}
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +130,7 @@ def bad_input_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[
     runs = {}
     for name, (args, _) in BAD_INPUTS.items():
         run_dir = root / name.replace(" ", "_")
-        runs[name] = (start(*args, f"hydra.run.dir={run_dir}", cwd=root), run_dir)
+        runs[name] = (start(*args, f"hydra.run.dir={run_dir}", cwd=root, env=BAD_ENVIRONMENT.get(name)), run_dir)
     return {name: (*proc.communicate(timeout=120), proc.returncode, run_dir) for name, (proc, run_dir) in runs.items()}
 
 

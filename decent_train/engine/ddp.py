@@ -28,7 +28,8 @@ Modes. ``topology="allreduce"`` (or ``switch_to("allreduce")``) averages each bu
 
 This module keeps the hooks, the order of a step, ``switch_to`` and ``global_avg``. The rest, one question per file:
 buckets.py (layout), modes.py (what a bucket does), steps.py (deferred steps), exchange.py and compress.py (what is
-sent), membership.py (who is in the run and its process groups), state.py (checkpoints), compat.py (decent-dp's names).
+sent; int8_kernels.py its compiled loops), membership.py (who is in the run and its process groups), state.py
+(checkpoints), host_memory.py (malloc on the CPU), compat.py (decent-dp's names).
 """
 
 from __future__ import annotations

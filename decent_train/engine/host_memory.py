@@ -11,8 +11,8 @@ module gets the same effect from glibc itself, with no dependency: a fixed mmap 
 and a trim threshold of 1 GB, set once per process with ``mallopt`` when an engine has parameters on the CPU.
 
 What it costs: freed memory up to 1 GB stays with the process (training reuses it on the next step anyway); blocks
-over 32 MB (a gradient that large) are still mapped afresh. ``DECENT_TRAIN_HOST_MALLOC=keep`` leaves malloc as it
-is; so do settings of the user's own (``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``, ``GLIBC_TUNABLES``) and
+over 32 MB (a gradient that large) are still mapped afresh. ``DECENT_TRAIN_HOST_MALLOC=keep`` (``auto`` is the
+default) leaves malloc as it is; so do settings of the user's own (``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``, ``GLIBC_TUNABLES``) and
 a C library other than glibc.
 """
 
@@ -21,9 +21,10 @@ from __future__ import annotations
 import ctypes
 import os
 
-__all__ = ["MALLOC_ENV", "keep_freed_host_memory"]
+__all__ = ["MALLOC_ENV", "host_malloc_choice", "keep_freed_host_memory"]
 
 MALLOC_ENV = "DECENT_TRAIN_HOST_MALLOC"
+MALLOC_CHOICES = ("auto", "keep")
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 _MMAP_THRESHOLD = 32 * 2**20  # glibc refuses more (HEAP_MAX_SIZE / 2 on 64-bit)
 _TRIM_THRESHOLD = 2**30
@@ -40,8 +41,16 @@ def keep_freed_host_memory() -> str:
     return _outcome
 
 
+def host_malloc_choice() -> str:
+    """``$DECENT_TRAIN_HOST_MALLOC``: ``auto`` (the default: keep freed memory) or ``keep`` (malloc as it is)."""
+    choice = os.environ.get(MALLOC_ENV, "auto").lower() or "auto"
+    if choice not in MALLOC_CHOICES:
+        raise ValueError(f"{MALLOC_ENV}={choice!r}: valid are {', '.join(MALLOC_CHOICES)}")
+    return choice
+
+
 def _configure() -> str:
-    if os.environ.get(MALLOC_ENV, "").lower() == "keep":
+    if host_malloc_choice() == "keep":
         return f"malloc left as it is ({MALLOC_ENV}=keep)"
     user = [name for name in _USER_SETTINGS if name in os.environ]
     if "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):

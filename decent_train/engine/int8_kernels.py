@@ -24,7 +24,7 @@ import torch
 from loguru import logger
 from torch import Tensor
 
-__all__ = ["COMPILED_INT8_ENV", "Int8Kernels", "compiled_int8_kernels"]
+__all__ = ["COMPILED_INT8_ENV", "Int8Kernels", "compiled_int8_choice", "compiled_int8_kernels"]
 
 COMPILED_INT8_ENV = "DECENT_TRAIN_COMPILED_INT8"
 COMPILED_INT8_CHOICES = ("auto", "always", "never")
@@ -116,11 +116,17 @@ def _run(eager: Callable[..., Any], *args: Any) -> Any:
     return eager(*args)
 
 
-def compiled_int8_kernels(numel: int, block: int, top: int) -> Int8Kernels | None:
-    """The compiled kernels for a bucket of ``numel`` elements, or None where the eager path runs (see the module)."""
-    choice = os.environ.get(COMPILED_INT8_ENV, "auto").lower()
+def compiled_int8_choice() -> str:
+    """``$DECENT_TRAIN_COMPILED_INT8``, checked."""
+    choice = os.environ.get(COMPILED_INT8_ENV, "auto").lower() or "auto"
     if choice not in COMPILED_INT8_CHOICES:
         raise ValueError(f"{COMPILED_INT8_ENV}={choice!r}: valid are {', '.join(COMPILED_INT8_CHOICES)}")
+    return choice
+
+
+def compiled_int8_kernels(numel: int, block: int, top: int) -> Int8Kernels | None:
+    """The compiled kernels for a bucket of ``numel`` elements, or None where the eager path runs (see the module)."""
+    choice = compiled_int8_choice()
     if choice == "never" or (choice == "auto" and numel < MIN_COMPILED_NUMEL) or _compile_failed:
         return None
     return Int8Kernels(block, top)

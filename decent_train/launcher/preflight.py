@@ -3,7 +3,8 @@
 ``check_config`` checks values and their combinations (cheap, and again in every worker); what needs the disk, the
 user's code or every world size an elastic job may run at is here, so that a mistake still ends in one line with
 exit status 2 instead of a failed worker: the dataset's files, the partition against each world size, importing
-``topology.module``, building every topology the run gossips over, and ``resume``'s checkpoint.
+``topology.module``, building every topology the run gossips over, ``resume``'s checkpoint, and the engine's
+environment variables (``DECENT_TRAIN_HOST_MALLOC``, ``DECENT_TRAIN_COMPILED_INT8``).
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ from pathlib import Path
 
 from decent_train.components.checkpoint import complete_checkpoints
 from decent_train.config import TrainConfig
+from decent_train.engine.host_memory import host_malloc_choice
+from decent_train.engine.int8_kernels import compiled_int8_choice
 
 
 def preflight(cfg: TrainConfig) -> None:
     """Raise ``ValueError`` (one line, naming the bad value) if ``cfg`` cannot run; ``launch.nproc_per_node`` must be
     resolved (the launcher does that first) for the checks over world sizes."""
     cfg.dataset.check_files()
+    host_malloc_choice(), compiled_int8_choice()  # the engine's environment variables
     if cfg.launch.nproc_per_node is not None:
         cfg.dataset.check_partition(cfg.launch.world_sizes)
         check_topologies(cfg)
