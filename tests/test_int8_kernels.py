@@ -35,6 +35,11 @@ def _pair_states(numel: int, dtype: torch.dtype, copy_dtype: torch.dtype | None,
 @pytest.mark.parametrize("dtype, copy_dtype", [(torch.float32, None), (torch.float64, None),
                                                (torch.float32, torch.bfloat16)])
 def test_compiled_kernels_match_the_eager_path(numel: int, dtype: torch.dtype, copy_dtype: torch.dtype | None) -> None:
+    # In a worker process: on torch 2.13, compiling starts autograd's threads, and later tests fork.
+    run_workers(_side_by_side, 1, numel, dtype, copy_dtype)
+
+
+def _side_by_side(rank: int, world_size: int, numel: int, dtype: torch.dtype, copy_dtype: torch.dtype | None) -> None:
     """Four rounds of a pair's exchange, eager and compiled side by side from the same state, each worker's parameters
     moved by noise between rounds. The mix's last adds may round differently (x then differs by units in the last
     place, and so would every later message): the compiled run continues from the eager run's parameters."""
