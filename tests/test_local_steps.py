@@ -3,6 +3,10 @@ of the formulas in the module's docstring, with dense mixing matrices (Topology.
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -99,3 +103,15 @@ def test_wrong_arguments_are_one_line() -> None:
         DiLoCo(model, _inner(model.parameters()), _outer(model.parameters()), sync_every=0)
     with pytest.raises(ValueError, match=r"the outer optimizer must be built over the model's parameters"):
         DiLoCo(model, _inner(model.parameters()), _outer([nn.Parameter(torch.zeros(1))]), sync_every=2)
+
+
+@pytest.mark.slow
+def test_a_script_with_its_own_optimizer_adopts_diloco_with_two_lines() -> None:
+    """tests/user_scripts/own_optimizer.py (AdamW and a cosine schedule of its own, ``inner.step()`` as usual) under
+    torchrun on 4 workers, ring gossip outer steps: every rank exits 0 and the loss falls."""
+    script = Path(__file__).parent / "user_scripts" / "own_optimizer.py"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           str(script)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, final = (float(v) for v in re.search(r"first loss ([\d.]+) final loss ([\d.]+)", proc.stdout).groups())
+    assert final < 0.5 * first
