@@ -92,6 +92,29 @@ class DiLoCo:
         self.outer_steps = 0
         self._handle: Any = None
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs besides the model's and the inner optimizer's: the counters, the anchors and the
+        outer optimizer's state (momentum). Resume: build the front, then load the model, the inner optimizer and
+        this (building broadcasts rank 0's parameters; loading afterwards restores each worker's own)."""
+        return {
+            "inner_steps": self.inner_steps,
+            "outer_steps": self.outer_steps,
+            "anchors": [[a.clone() for a in group.anchors] for group in self.groups],
+            "outer": self.outer.state_dict() if self.outer is not None else None,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = [[tuple(a.shape) for a in anchors] for anchors in state["anchors"]]
+        mine = [[tuple(a.shape) for a in group.anchors] for group in self.groups]
+        if saved != mine:
+            raise ValueError(f"the saved anchors have shapes {saved}, this model's parameters {mine}")
+        for group, anchors in zip(self.groups, state["anchors"]):
+            torch._foreach_copy_(group.anchors, anchors)
+        if self.outer is not None and state["outer"] is not None:
+            self.outer.load_state_dict(state["outer"])
+        self.inner_steps, self.outer_steps = int(state["inner_steps"]), int(state["outer_steps"])
+
     def __enter__(self) -> DiLoCo:
         self._handle = self.inner.register_step_post_hook(self._after_inner_step)
         return self
