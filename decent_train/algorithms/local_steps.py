@@ -12,8 +12,8 @@ k = 0, 1, ..., after every ``sync_every``-th ``inner.step()``; W the topology's 
     x_i <- outer step from a_i with gradient g_i;  anchor_i <- x_i
 
 With ``complete`` (W = J/n) that is DiLoCo exactly; LocalSGD is x_i <- Σ_j W_ij x_j. All workers start from rank 0's
-parameters and buffers. The exchange sends [anchor, x] in one message per dtype (twice the model, once every
-``sync_every`` steps) because under gossip the anchors differ between workers; it runs when the outer step is due
+parameters and buffers. DiLoCo's exchange sends [x, anchor] in one message per dtype (twice the model, once every
+``sync_every`` steps) because under gossip the anchors differ between workers (LocalSGD sends x alone); it runs when the outer step is due
 (exact; overlapping it with the next inner steps is the streaming variant, not built yet).
 design notes: torchft_local_sgd.md (what torchft does), tests/test_local_steps.py (the float64 replay).
 """
@@ -36,20 +36,22 @@ __all__ = ["DiLoCo", "LocalSGD"]
 
 
 class _Group:
-    """The parameters of one dtype and device: their anchors and the exchange buffer [anchor, x]."""
+    """The parameters of one dtype and device: their anchors (DiLoCo's) and the exchange buffer [x] or [x, anchor]."""
 
-    def __init__(self, index: int, params: list[nn.Parameter]):
+    def __init__(self, index: int, params: list[nn.Parameter], anchored: bool):
         self.params = params
         self.numel = sum(p.numel() for p in params)
         first = params[0]
-        self.flat = torch.zeros(2 * self.numel, dtype=first.dtype, device=first.device)
+        self.flat = torch.zeros((2 if anchored else 1) * self.numel, dtype=first.dtype, device=first.device)
         self.buffers = ExchangeBuffers(index=index, flat=self.flat, comm=torch.zeros_like(self.flat))
-        self.anchors = [p.detach().clone() for p in params]
+        self.anchors = [p.detach().clone() for p in params] if anchored else []
 
 
 class DiLoCo:
     """``with DiLoCo(model, inner, outer, sync_every=H, topology="complete"):`` around a training loop that calls
     ``inner.step()``. ``outer`` must be built over the model's parameters (torchft's convention)."""
+
+    anchored = True  # keeps anchors and exchanges them with the parameters (LocalSGD needs neither)
 
     def __init__(
         self,
@@ -83,7 +85,7 @@ class DiLoCo:
         by_kind: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
         for p in params:
             by_kind.setdefault((p.dtype, p.device), []).append(p)
-        self.groups = [_Group(i, ps) for i, ps in enumerate(by_kind.values())]
+        self.groups = [_Group(i, ps, self.anchored) for i, ps in enumerate(by_kind.values())]
         device = next((g.flat.device for g in self.groups if g.flat.device.type == "cuda"), torch.device("cpu"))
         self.members.create_exchange_group(device)
         self.exchanger = Exchanger(self.members.rank, self.members.exchange_group, 0, 1.0)
@@ -133,27 +135,27 @@ class DiLoCo:
     def outer_step(self) -> None:
         """The outer step of round ``outer_steps mod period`` (see the module)."""
         for group in self.groups:
-            anchors, xs = _halves(group)
-            torch._foreach_copy_(anchors, group.anchors)
+            xs, anchors = _views(group, group.flat)
             torch._foreach_copy_(xs, [p.detach() for p in group.params])
-            mixed = self._mix(group)
-            mixed_anchors, mixed_xs = _halves(group, mixed)
-            self._apply(group, mixed_anchors, mixed_xs)
+            if anchors:
+                torch._foreach_copy_(anchors, group.anchors)
+            self._apply(group, *_views(group, self._mix(group)))
         if self.outer is not None:
             self.outer.step()
             self.outer.zero_grad(set_to_none=True)
         for group in self.groups:
-            torch._foreach_copy_(group.anchors, [p.detach() for p in group.params])
+            if group.anchors:
+                torch._foreach_copy_(group.anchors, [p.detach() for p in group.params])
         self.outer_steps += 1
 
-    def _apply(self, group: _Group, mixed_anchors: list[Tensor], mixed_xs: list[Tensor]) -> None:
+    def _apply(self, group: _Group, mixed_xs: list[Tensor], mixed_anchors: list[Tensor]) -> None:
         """x <- a (the outer optimizer then steps from there) with gradient g = a − W x."""
         for p, a, wx in zip(group.params, mixed_anchors, mixed_xs):
             p.grad = a - wx
             p.copy_(a)
 
     def _mix(self, group: _Group) -> Tensor:
-        """W [anchor, x] for this worker's group(s) of the round: the stages of a round one after the other."""
+        """W [x, anchor] (LocalSGD: W x) for this worker's group(s) of the round: the stages of a round one after the other."""
         value, rank, round_ = group.flat, self.members.rank, self.outer_steps
         for edge in self.topology.edges(round_, rank):
             works = self.exchanger.start(group.buffers, edge, value)
@@ -167,22 +169,25 @@ class DiLoCo:
 
 class LocalSGD(DiLoCo):
     """``with LocalSGD(model, optimizer, sync_every=H, topology=...):``: every H-th ``optimizer.step()``, the
-    parameters become Σ_j W_ij x_j (DiLoCo with an outer SGD of learning rate 1, applied exactly)."""
+    parameters become Σ_j W_ij x_j (DiLoCo with an outer SGD of learning rate 1, applied exactly; no anchors, so an
+    outer step sends the model once)."""
+
+    anchored = False
 
     def __init__(self, model: nn.Module, optimizer: Optimizer, sync_every: int, topology: TopologySpec = "complete",
                  **kwargs: Any):
         super().__init__(model, optimizer, None, sync_every, topology, **kwargs)
 
-    def _apply(self, group: _Group, mixed_anchors: list[Tensor], mixed_xs: list[Tensor]) -> None:
+    def _apply(self, group: _Group, mixed_xs: list[Tensor], mixed_anchors: list[Tensor]) -> None:
         torch._foreach_copy_([p.detach() for p in group.params], mixed_xs)
 
 
-def _halves(group: _Group, flat: Tensor | None = None) -> tuple[list[Tensor], list[Tensor]]:
-    """The anchor half and the x half of ``flat`` (default: the group's buffer), as views shaped like the params."""
-    flat = group.flat if flat is None else flat
-    anchors, xs, offset = [], [], 0
+def _views(group: _Group, flat: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+    """``flat``'s x part and anchor part (empty without anchors), as views shaped like the parameters."""
+    xs, anchors, offset = [], [], 0
     for p in group.params:
-        anchors.append(flat[offset : offset + p.numel()].view_as(p))
-        xs.append(flat[group.numel + offset : group.numel + offset + p.numel()].view_as(p))
+        xs.append(flat[offset : offset + p.numel()].view_as(p))
+        if group.anchors:
+            anchors.append(flat[group.numel + offset : group.numel + offset + p.numel()].view_as(p))
         offset += p.numel()
-    return anchors, xs
+    return xs, anchors
