@@ -30,7 +30,6 @@ def _outer(params: Any) -> torch.optim.Optimizer:
 
 def _train(rank: int, world_size: int, topology: str, sync_every: int, local_sgd: bool) -> list[torch.Tensor]:
     """The user's loop with the two lines of the front; worker 0..n-1 start from different seeds (rank 0's wins)."""
-    torch.set_default_dtype(torch.float64)
     model = make_model(seed=rank)
     inner = _inner(model.parameters())
     front = (LocalSGD(model, inner, sync_every=sync_every, topology=topology) if local_sgd
@@ -46,7 +45,6 @@ def _train(rank: int, world_size: int, topology: str, sync_every: int, local_sgd
 def _replay(world_size: int, topology: str, sync_every: int, local_sgd: bool) -> list[list[torch.Tensor]]:
     """Every worker in one process, in float64: inner steps on each worker's batches; every sync_every-th step the
     outer step of round k with the dense W of the topology."""
-    torch.set_default_dtype(torch.float64)
     start = make_model(seed=0)
     models = [make_model(seed=0) for _ in range(world_size)]
     for m in models:
@@ -81,7 +79,6 @@ def _replay(world_size: int, topology: str, sync_every: int, local_sgd: bool) ->
                 opt.zero_grad(set_to_none=True)
         anchors = [[p.detach().clone() for p in m.parameters()] for m in models]
         outer_step += 1
-    torch.set_default_dtype(torch.float32)
     return [[p.detach() for p in m.parameters()] for m in models]
 
 
@@ -120,7 +117,6 @@ def test_a_script_with_its_own_optimizer_adopts_diloco_with_two_lines() -> None:
 def _resumed(rank: int, world_size: int, stop: int, total: int) -> dict[str, list[torch.Tensor]]:
     """Train ``total`` steps straight, and again stopping after ``stop`` steps, checkpointing (model, inner optimizer,
     front), then resuming in fresh objects: the parameters of both."""
-    torch.set_default_dtype(torch.float64)
 
     def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, DiLoCo]:
         model = make_model(seed=seed)

@@ -13,8 +13,9 @@ k = 0, 1, ..., after every ``sync_every``-th ``inner.step()``; W the topology's 
 
 With ``complete`` (W = J/n) that is DiLoCo exactly; LocalSGD is x_i <- Σ_j W_ij x_j. All workers start from rank 0's
 parameters and buffers. DiLoCo's exchange sends [x, anchor] in one message per dtype (twice the model, once every
-``sync_every`` steps) because under gossip the anchors differ between workers (LocalSGD sends x alone); it runs when the outer step is due
-(exact; overlapping it with the next inner steps is the streaming variant, not built yet).
+``sync_every`` steps) because under gossip the anchors differ between workers (LocalSGD sends x alone); it runs
+when the outer step is due (exact; overlapping it with the next inner steps is the streaming variant, not built
+yet).
 design notes: torchft_local_sgd.md (what torchft does), tests/test_local_steps.py (the float64 replay).
 """
 
@@ -75,7 +76,9 @@ class DiLoCo:
             owned = {id(p) for group in outer.param_groups for p in group["params"]}
             missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in owned]
             if missing:
-                raise ValueError(f"the outer optimizer must be built over the model's parameters; it lacks {missing[0]}")
+                raise ValueError(
+                    f"the outer optimizer must be built over the model's parameters; it lacks {missing[0]}"
+                )
         self.model, self.inner, self.outer, self.sync_every = model, inner, outer, sync_every
         self.members = Membership(local_world_size, timedelta(seconds=timeout) if timeout is not None else None)
         state = list(model.named_parameters()) + list(model.named_buffers())
@@ -155,7 +158,8 @@ class DiLoCo:
             p.copy_(a)
 
     def _mix(self, group: _Group) -> Tensor:
-        """W [x, anchor] (LocalSGD: W x) for this worker's group(s) of the round: the stages of a round one after the other."""
+        """W [x, anchor] (LocalSGD: W x) for this worker's group(s) of the round, the stages of a round one after the
+        other."""
         value, rank, round_ = group.flat, self.members.rank, self.outer_steps
         for edge in self.topology.edges(round_, rank):
             works = self.exchanger.start(group.buffers, edge, value)
