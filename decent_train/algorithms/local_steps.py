@@ -1,21 +1,27 @@
 """Local steps over the user's own optimizer: DiLoCo and LocalSGD, with an all-reduce (``complete``) or gossip outer
-step over any topology.
+step over any topology, optionally streamed in fragments and compressed.
 
 Why here and in this shape: torchft's LocalSGD and DiLoCo are context managers over the inner optimizer's step hooks,
 so any script that calls ``optimizer.step()`` adopts them with two lines; they all-reduce the outer step. Replacing W
-= J/n by a topology's round removes the last global collective. What the outer step computes (worker i, outer step
-k = 0, 1, ..., after every ``sync_every``-th ``inner.step()``; W the topology's round k mod period)::
+= J/n by a topology's round removes the last global collective. What an outer step computes (worker i, a fragment's
+outer step k = 0, 1, ...; W the topology's round k mod period; x the fragment's parameters when its exchange
+starts)::
 
     Δ_i = anchor_i − x_i                 (pseudo-gradient: torchft's sign)
     a_i = Σ_j W_ij anchor_j              (the mixed anchor)
     g_i = Σ_j W_ij Δ_j = a_i − Σ_j W_ij x_j
-    x_i <- outer step from a_i with gradient g_i;  anchor_i <- x_i
+    global_i = the outer optimizer's step from a_i with gradient g_i;  anchor_i <- global_i
+    x_i <- (1 − α) global_i + α local_i  (α = fragment_update_alpha, local_i the parameters when it finishes)
 
-With ``complete`` (W = J/n) that is DiLoCo exactly; LocalSGD is x_i <- Σ_j W_ij x_j. All workers start from rank 0's
-parameters and buffers. DiLoCo's exchange sends [x, anchor] in one message per dtype (twice the model, once every
-``sync_every`` steps) because under gossip the anchors differ between workers (LocalSGD sends x alone); it runs
-when the outer step is due (exact; overlapping it with the next inner steps is the streaming variant, not built
-yet).
+With ``complete`` (W = J/n) that is DiLoCo exactly; LocalSGD is global_i = Σ_j W_ij x_j (SGD of rate 1). All workers
+start from rank 0's parameters and buffers; the inner optimizer's state is each worker's own throughout.
+
+The schedule is torchft's Streaming DiLoCo: the trainable parameters are cut into F ``fragments``, synced in turn, one
+every P = sync_every / F inner steps (so each every ``sync_every``; fragment 0 first after P). A fragment's exchange
+starts after inner step P − τ of its period (τ = ``fragment_sync_delay``) and is finished, and the outer step taken,
+after step P: the τ inner steps between overlap with the communication. τ = 0 is exact. Unlike torchft with one outer
+optimizer, the optimizer steps only the synced fragment's parameters (the others' gradients are hidden from it), as
+torchft's one-optimizer-per-fragment form does. What travels and how compression keeps the mean: outer_exchange.py.
 design notes: torchft_local_sgd.md (what torchft does), tests/test_local_steps.py (the float64 replay).
 """
 
@@ -29,30 +35,44 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from decent_train.engine.comm import CommWaits, peers_must_answer
-from decent_train.engine.exchange import ExchangeBuffers, Exchanger
+from decent_train.algorithms.outer_exchange import (
+    Fragment, InFlight, OuterExchange, OuterGroup, payload_kind, split_parameters,
+)
+from decent_train.engine.compress import Compressor, check_consensus_step, make_compressor
 from decent_train.engine.membership import Membership, TopologySpec
 
-__all__ = ["DiLoCo", "LocalSGD"]
+__all__ = ["DiLoCo", "LocalSGD", "check_local_steps_arguments"]
 
 
-class _Group:
-    """The parameters of one dtype and device: their anchors (DiLoCo's) and the exchange buffer [x] or [x, anchor]."""
+def check_local_steps_arguments(sync_every: Any, fragments: Any, fragment_sync_delay: Any,
+                                fragment_update_alpha: Any) -> None:
+    """One line naming the bad value and what is valid (the launcher's config runs the same checks)."""
+    def whole(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
 
-    def __init__(self, index: int, params: list[nn.Parameter], anchored: bool):
-        self.params = params
-        self.numel = sum(p.numel() for p in params)
-        first = params[0]
-        self.flat = torch.zeros((2 if anchored else 1) * self.numel, dtype=first.dtype, device=first.device)
-        self.buffers = ExchangeBuffers(index=index, flat=self.flat, comm=torch.zeros_like(self.flat))
-        self.anchors = [p.detach().clone() for p in params] if anchored else []
+    if not whole(sync_every) or sync_every < 1:
+        raise ValueError(f"sync_every={sync_every!r}: must be a positive integer (inner steps per outer step)")
+    if not whole(fragments) or fragments < 1:
+        raise ValueError(f"fragments={fragments!r}: must be a positive integer (parts of the model synced in turn)")
+    if sync_every % fragments:
+        raise ValueError(f"sync_every={sync_every} is not a multiple of fragments={fragments}: one fragment syncs "
+                         "every sync_every / fragments inner steps")
+    period = sync_every // fragments
+    if not whole(fragment_sync_delay) or not 0 <= fragment_sync_delay < period:
+        raise ValueError(f"fragment_sync_delay={fragment_sync_delay!r}: must be an integer in [0, {period}) "
+                         f"(sync_every / fragments = {period} inner steps between syncs)")
+    if not 0.0 <= fragment_update_alpha <= 1.0:
+        raise ValueError(f"fragment_update_alpha={fragment_update_alpha!r}: must be in [0, 1] (the weight of the "
+                         "local parameters against the outer step's result)")
 
 
 class DiLoCo:
     """``with DiLoCo(model, inner, outer, sync_every=H, topology="complete"):`` around a training loop that calls
-    ``inner.step()``. ``outer`` must be built over the model's parameters (torchft's convention)."""
+    ``inner.step()``. ``outer`` must be built over the model's parameters (torchft's convention). ``fragments``: a
+    number, or the modules whose parameters form each fragment (torchft's ``model_fragments``); ``compression``:
+    ``"int8"``, ``"bf16"`` or a compressor, applied to what an outer step sends."""
 
-    anchored = True  # keeps anchors and exchanges them with the parameters (LocalSGD needs neither)
+    anchored = True  # keeps anchors and steps an outer optimizer (LocalSGD does neither)
 
     def __init__(
         self,
@@ -62,54 +82,99 @@ class DiLoCo:
         sync_every: int,
         topology: TopologySpec = "complete",
         *,
+        fragments: int | list[nn.Module] = 1,
+        fragment_sync_delay: int = 0,
+        fragment_update_alpha: float = 0.0,
+        compression: str | Compressor | None = None,
+        consensus_step: float = 1.0,
+        int8_block: int = 256,
         local_world_size: int | None = None,
         timeout: float | None = None,
     ):
-        if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
-            raise ValueError(f"sync_every={sync_every!r}: must be a positive integer (inner steps per outer step)")
-        if outer is None and type(self) is DiLoCo:
+        count = fragments if isinstance(fragments, int) else len(fragments)
+        check_local_steps_arguments(sync_every, count, fragment_sync_delay, fragment_update_alpha)
+        check_consensus_step(consensus_step)
+        compressor = make_compressor(compression, int8_block)
+        if outer is None and self.anchored:
             raise ValueError("DiLoCo needs an outer optimizer over the model's parameters (LocalSGD has none)")
-        params = [p for p in model.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError("DiLoCo: the model has no trainable parameters")
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError(f"{type(self).__name__}: the model has no trainable parameters")
         if outer is not None:
             owned = {id(p) for group in outer.param_groups for p in group["params"]}
-            missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in owned]
+            missing = [name for name, p in named if id(p) not in owned]
             if missing:
                 raise ValueError(
                     f"the outer optimizer must be built over the model's parameters; it lacks {missing[0]}"
                 )
+        parts = split_parameters(named, fragments)
         self.model, self.inner, self.outer, self.sync_every = model, inner, outer, sync_every
+        self.period, self.delay, self.alpha = sync_every // count, fragment_sync_delay, fragment_update_alpha
         self.members = Membership(local_world_size, timedelta(seconds=timeout) if timeout is not None else None)
         state = list(model.named_parameters()) + list(model.named_buffers())
         self.members.check_same_model(state)
         self.members.broadcast_from_rank0([t.data for _, t in state])  # all start from rank 0's
-        self.topology = self.members.topology(topology)
-        by_kind: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
-        for p in params:
-            by_kind.setdefault((p.dtype, p.device), []).append(p)
-        self.groups = [_Group(i, ps, self.anchored) for i, ps in enumerate(by_kind.values())]
-        device = next((g.flat.device for g in self.groups if g.flat.device.type == "cuda"), torch.device("cpu"))
+        device = next((p.device for _, p in named if p.device.type == "cuda"), torch.device("cpu"))
         self.members.create_exchange_group(device)
-        self.exchanger = Exchanger(self.members.rank, self.members.exchange_group, 0, 1.0)
-        self.waits = CommWaits(self.members.timeout)
+        self.topology = self.members.topology(topology)
+        payload = payload_kind(self.anchored, self.topology, compressor is not None)
+        self.fragments: list[Fragment] = []
+        for index, params in enumerate(parts):
+            by_kind: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+            for p in params:
+                by_kind.setdefault((p.dtype, p.device), []).append(p)
+            first = sum(len(f.groups) for f in self.fragments)  # exchange buffers are numbered across fragments
+            groups = [OuterGroup(first + i, ps, payload, self.anchored) for i, ps in enumerate(by_kind.values())]
+            self.fragments.append(Fragment(index, params, groups))
+        if compressor is not None:
+            mine = [e for r in range(self.topology.period) for e in self.topology.edges(r) if e.size > 1]
+            for group in self.groups:
+                group.compress(compressor, mine)
+        self.exchange = OuterExchange(self.members, self.topology, consensus_step)
         self.inner_steps = 0
-        self.outer_steps = 0
+        self.outer_steps = 0  # outer steps taken, of all fragments
+        self._in_flight: InFlight | None = None
         self._handle: Any = None
 
+    @property
+    def groups(self) -> list[OuterGroup]:
+        return [g for f in self.fragments for g in f.groups]
+
+    def anchors(self) -> list[Tensor]:
+        """The anchors of the trainable parameters, in ``model.parameters()`` order (LocalSGD keeps none: [])."""
+        by_param = {id(p): a for g in self.groups for p, a in zip(g.params, g.anchors)}
+        return [by_param[id(p)] for p in self.model.parameters() if id(p) in by_param]
+
+    def bytes_per_inner_step(self) -> float:
+        """Bytes this worker sends per inner step: every fragment's outer step once per ``sync_every`` inner steps,
+        averaged over the topology's period."""
+        return self.exchange.bytes_per_sync(self.fragments) / self.sync_every
+
+    @property
+    def comm_wait_seconds(self) -> float:
+        """Seconds blocked on the outer exchanges so far."""
+        return self.exchange.waits.seconds
+
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint needs besides the model's and the inner optimizer's: the counters, the anchors and the
-        outer optimizer's state (momentum). Resume: build the front, then load the model, the inner optimizer and
-        this (building broadcasts rank 0's parameters; loading afterwards restores each worker's own)."""
+        """What a checkpoint needs besides the model's and the inner optimizer's: the counters, the anchors, the outer
+        optimizer's state, compressed public copies, and an exchange in flight (waited for: its mixed result). Resume:
+        build the front, then load the model, the inner optimizer and this. Every worker calls it at the same step."""
+        in_flight = self._in_flight
         return {
             "inner_steps": self.inner_steps,
             "outer_steps": self.outer_steps,
+            "fragment_syncs": [f.syncs for f in self.fragments],
             "anchors": [[a.clone() for a in group.anchors] for group in self.groups],
             "outer": self.outer.state_dict() if self.outer is not None else None,
+            "copies": [g.buffers.compressed.state() if g.buffers.compressed is not None else None for g in self.groups],
+            "in_flight": None if in_flight is None else [m.clone() for m in self.exchange.finish(in_flight)],
         }
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state_dict()``; without its ``copies`` and ``in_flight`` (an average of several workers'
+        states: parameters and anchors equal everywhere) the copies restart from the payload and an exchange due to
+        be in flight starts from the parameters now."""
         saved = [[tuple(a.shape) for a in anchors] for anchors in state["anchors"]]
         mine = [[tuple(a.shape) for a in group.anchors] for group in self.groups]
         if saved != mine:
@@ -119,6 +184,20 @@ class DiLoCo:
         if self.outer is not None and state["outer"] is not None:
             self.outer.load_state_dict(state["outer"])
         self.inner_steps, self.outer_steps = int(state["inner_steps"]), int(state["outer_steps"])
+        for fragment, syncs in zip(self.fragments, state.get("fragment_syncs", [self.outer_steps])):
+            fragment.syncs = int(syncs)
+        copies = state.get("copies") or [None] * len(self.groups)
+        for group, saved_copies in zip(self.groups, copies):
+            if saved_copies is not None and group.buffers.compressed is not None:
+                group.buffers.compressed.load(saved_copies)
+            else:
+                group.reset_copies()
+        self._in_flight = None
+        if self._exchange_due():
+            fragment = self._next_fragment()
+            mixed = state.get("in_flight")
+            self._in_flight = (self.exchange.start(fragment) if mixed is None
+                               else InFlight(fragment, fragment.syncs, [], [], mixed=[m.clone() for m in mixed]))
 
     def __enter__(self) -> DiLoCo:
         self._handle = self.inner.register_step_post_hook(self._after_inner_step)
@@ -128,53 +207,81 @@ class DiLoCo:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        if kind is None and self._in_flight is not None:
+            self.exchange.finish(self._in_flight)  # nothing left in flight when the process group goes
+
+    def _local_step(self) -> int:
+        """Inner steps into the current fragment's period, 1..P (0 before the first)."""
+        return (self.inner_steps - 1) % self.period + 1 if self.inner_steps else 0
+
+    def _exchange_due(self) -> bool:
+        """Whether an exchange is in flight after ``inner_steps``: started, its outer step not yet taken."""
+        return self.delay > 0 and self.period - self.delay <= self._local_step() < self.period
+
+    def _next_fragment(self) -> Fragment:
+        return self.fragments[self.outer_steps % len(self.fragments)]
 
     def _after_inner_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         self.inner_steps += 1
-        if self.inner_steps % self.sync_every == 0:
+        local = self._local_step()
+        if local == self.period - self.delay:
+            self._in_flight = self.exchange.start(self._next_fragment())
+        if local == self.period:
             self.outer_step()
 
     @torch.no_grad()
     def outer_step(self) -> None:
-        """The outer step of round ``outer_steps mod period`` (see the module)."""
-        for group in self.groups:
-            xs, anchors = _views(group, group.flat)
-            torch._foreach_copy_(xs, [p.detach() for p in group.params])
-            if anchors:
-                torch._foreach_copy_(anchors, group.anchors)
-            self._apply(group, *_views(group, self._mix(group)))
-        if self.outer is not None:
-            self.outer.step()
-            self.outer.zero_grad(set_to_none=True)
-        for group in self.groups:
-            if group.anchors:
-                torch._foreach_copy_(group.anchors, [p.detach() for p in group.params])
+        """Finish the exchange in flight (started now if none is) and take the fragment's outer step."""
+        exchange = self._in_flight or self.exchange.start(self._next_fragment())
+        self._in_flight = None
+        mixed = self.exchange.finish(exchange)
+        fragment = exchange.fragment
+        local = [[p.detach().clone() for p in g.params] for g in fragment.groups] if self.alpha else None
+        self._apply(fragment, mixed)
+        if local is not None:
+            for group, kept in zip(fragment.groups, local):
+                torch._foreach_lerp_([p.detach() for p in group.params], kept, self.alpha)
+        fragment.syncs += 1
         self.outer_steps += 1
 
-    def _apply(self, group: _Group, mixed_xs: list[Tensor], mixed_anchors: list[Tensor]) -> None:
-        """x <- a (the outer optimizer then steps from there) with gradient g = a − W x."""
-        for p, a, wx in zip(group.params, mixed_anchors, mixed_xs):
-            p.grad = a - wx
-            p.copy_(a)
+    def _apply(self, fragment: Fragment, mixed: list[Tensor]) -> None:
+        """x <- a with gradient g = a − W x (``delta``: the mixed Δ and the own anchor, equal on every worker), the
+        outer optimizer's step over this fragment alone, anchor <- x."""
+        gradients = []
+        for group, value in zip(fragment.groups, mixed):
+            first, second = group.views(value)
+            params = [p.detach() for p in group.params]
+            if group.payload == "delta":
+                torch._foreach_copy_(params, group.anchors)
+                gradients.append(first)
+            else:
+                torch._foreach_copy_(params, second)
+                torch._foreach_sub_(second, first)  # W anchor − W x, in place
+                gradients.append(second)
+        self._outer_step_over(fragment, gradients)
+        for group in fragment.groups:
+            torch._foreach_copy_(group.anchors, [p.detach() for p in group.params])
 
-    def _mix(self, group: _Group) -> Tensor:
-        """W [x, anchor] (LocalSGD: W x) for this worker's group(s) of the round, the stages of a round one after the
-        other."""
-        value, rank, round_ = group.flat, self.members.rank, self.outer_steps
-        for edge in self.topology.edges(round_, rank):
-            works = self.exchanger.start(group.buffers, edge, value)
-            if works:
-                with peers_must_answer(f"the outer step {round_}'s exchange with ranks {edge.ranks}",
-                                       self.members.timeout):
-                    self.waits.wait(works, value.device)
-            value = self.exchanger.finish(group.buffers, edge, value)
-        return value
+    def _outer_step_over(self, fragment: Fragment, gradients: list[list[Tensor]]) -> None:
+        """``outer.step()`` with ``gradients`` on the fragment's parameters and no gradient on the others (skipped by
+        torch's optimizers: their momentum stays); every parameter's own ``.grad`` is back afterwards."""
+        assert self.outer is not None
+        everything = [p for group in self.outer.param_groups for p in group["params"]]
+        kept = [p.grad for p in everything]
+        for p in everything:
+            p.grad = None
+        for group, grads in zip(fragment.groups, gradients):
+            for p, g in zip(group.params, grads):
+                p.grad = g
+        self.outer.step()
+        for p, grad in zip(everything, kept):
+            p.grad = grad
 
 
 class LocalSGD(DiLoCo):
-    """``with LocalSGD(model, optimizer, sync_every=H, topology=...):``: every H-th ``optimizer.step()``, the
-    parameters become Σ_j W_ij x_j (DiLoCo with an outer SGD of learning rate 1, applied exactly; no anchors, so an
-    outer step sends the model once)."""
+    """``with LocalSGD(model, optimizer, sync_every=H, topology=...):``: every H-th ``optimizer.step()`` (per
+    fragment), the parameters become Σ_j W_ij x_j (DiLoCo with an outer SGD of learning rate 1, applied exactly; no
+    anchors, so an outer step sends the model once)."""
 
     anchored = False
 
@@ -182,16 +289,6 @@ class LocalSGD(DiLoCo):
                  **kwargs: Any):
         super().__init__(model, optimizer, None, sync_every, topology, **kwargs)
 
-    def _apply(self, group: _Group, mixed_xs: list[Tensor], mixed_anchors: list[Tensor]) -> None:
-        torch._foreach_copy_([p.detach() for p in group.params], mixed_xs)
-
-
-def _views(group: _Group, flat: Tensor) -> tuple[list[Tensor], list[Tensor]]:
-    """``flat``'s x part and anchor part (empty without anchors), as views shaped like the parameters."""
-    xs, anchors, offset = [], [], 0
-    for p in group.params:
-        xs.append(flat[offset : offset + p.numel()].view_as(p))
-        if group.anchors:
-            anchors.append(flat[group.numel + offset : group.numel + offset + p.numel()].view_as(p))
-        offset += p.numel()
-    return xs, anchors
+    def _apply(self, fragment: Fragment, mixed: list[Tensor]) -> None:
+        for group, value in zip(fragment.groups, mixed):
+            torch._foreach_copy_([p.detach() for p in group.params], group.views(value)[0])
