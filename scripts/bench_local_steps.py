@@ -1,0 +1,305 @@
+"""Local steps (DiLoCo, LocalSGD) against per-step gossip and DDP on one emulated slow link: bytes sent per worker and
+training time to DDP's accuracy; a table, a JSON file and a plot of loss and accuracy against bytes sent.
+
+    python scripts/bench_local_steps.py --rate 1gbit --out bench/local_steps          # root: ip netns + tc
+    python scripts/bench_local_steps.py --rate 1gbit --configs ddp,diloco-h10-ring \\
+        --variant diloco-h10-ring-lr1 diloco-h10-ring algorithm.outer_lr=1.0 --out bench/tuned
+    python scripts/bench_local_steps.py --from bench/local_steps        # the table and plot again, from the runs
+
+Every configuration is one real job of the ``decent-train`` command, ``decent-train -cn RECIPE +local_steps=NAME``
+(the recipe, ``local_steps_study`` by default, holds what they share: model, data, inner optimizer, schedule, steps,
+evaluations; ``recipes/local_steps/NAME.yaml`` what sets each apart), run one after another inside one network
+namespace whose loopback, the only link the workers use, is limited to ``--rate`` (scripts/benchmark.py's
+``emulated_network``: a ``tc ... tbf`` token bucket, all workers sharing the link). ``--variant LABEL BASE
+OVERRIDE...`` adds a run of configuration BASE with more overrides (e.g. a tuned outer learning rate).
+
+From each run's ``metrics.jsonl``, at every evaluation of the averaged model:
+- bytes sent per worker so far: the sum over records of ``comm/bytes_per_step`` times the steps since the record
+  before (a record's bytes per step is averaged over the topology's period or the sync period, so for local steps
+  it counts an outer step's bytes spread over its H steps: exact at multiples of H, ahead of the sends between);
+- training seconds so far: the sum over records of ``time/step_ms`` times those steps (the workers' mean wall time
+  per step, without evaluations, which ``time/elapsed_s`` includes and which cost the algorithms differently);
+- ``eval/accuracy`` and ``eval/loss``.
+The target is the reference's (DDP's) final accuracy unless ``--target`` gives one; a run reaches it at its first
+evaluation at or above it. Ratios are to the reference's bytes and seconds to the same target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+CONFIG_DIR = ROOT / "recipes" / "local_steps"
+COMMAND = Path(sys.executable).parent / "decent-train"
+
+# The issue's configurations, in the table's order; each is recipes/local_steps/NAME.yaml.
+CONFIGS = ["ddp", "ring", "ring-int8", "diloco-h10-complete", "diloco-h50-complete", "diloco-h10-ring",
+           "diloco-h50-ring", "diloco-h10-ring-int8", "localsgd-h10-complete"]
+# What every run adds to the recipe: no progress bar in the captured output, no wandb.
+COMMON = ["logger.progress_bar=false"]
+
+
+@dataclass
+class Point:
+    """One evaluation of the averaged model, with what the run had spent to get there."""
+
+    step: int
+    bytes_per_worker: float
+    train_s: float
+    elapsed_s: float
+    accuracy: float
+    loss: float
+
+
+def curve(records: Sequence[dict[str, Any]]) -> list[Point]:
+    """The evaluations of a run, from its records in order, with cumulative bytes sent per worker and training
+    seconds (see the module's docstring)."""
+    points, sent, seconds, last = [], 0.0, 0.0, 0
+    for record in records:
+        if "step" not in record or "comm/bytes_per_step" not in record:
+            continue
+        steps = record["step"] - last
+        last = record["step"]
+        sent += record["comm/bytes_per_step"] * steps
+        seconds += record["time/step_ms"] * steps / 1000
+        if record.get("eval/accuracy") is not None:
+            points.append(Point(record["step"], sent, seconds, record["time/elapsed_s"], record["eval/accuracy"],
+                                record["eval/loss"]))
+    return points
+
+
+def first_at(points: Sequence[Point], target: float) -> Point | None:
+    """The first evaluation at or above ``target`` accuracy; None if none is."""
+    return next((p for p in points if p.accuracy >= target), None)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def summarize(curves: dict[str, list[Point]], reference: str, target: float | None = None) -> dict[str, Any]:
+    """Per run: final accuracy and loss, against the reference's final accuracy (points); bytes per worker and
+    training seconds in all and to the target, and their ratios to the reference's (to the same target). The target
+    is the reference's final accuracy unless given."""
+    ref = curves[reference]
+    ref_final = ref[-1].accuracy
+    target = ref_final if target is None else target
+    ref_hit = first_at(ref, target)
+    rows = {}
+    for name, points in curves.items():
+        final, hit = points[-1], first_at(points, target)
+        best = max(points, key=lambda p: p.accuracy)
+        rows[name] = {
+            "final_accuracy": final.accuracy,
+            "final_loss": final.loss,
+            "best_accuracy": best.accuracy,
+            "vs_reference_points": 100 * (final.accuracy - ref_final),
+            "steps": final.step,
+            "bytes_per_worker": final.bytes_per_worker,
+            "train_s": final.train_s,
+            "bytes_vs_reference": _ratio(final.bytes_per_worker, ref[-1].bytes_per_worker),
+            "train_s_vs_reference": _ratio(final.train_s, ref[-1].train_s),
+            "reached": hit is not None,
+            "step_at_target": hit.step if hit else None,
+            "bytes_to_target": hit.bytes_per_worker if hit else None,
+            "train_s_to_target": hit.train_s if hit else None,
+            # < 1: fewer bytes, less time than the reference to the same accuracy
+            "bytes_to_target_vs_reference": _ratio(hit.bytes_per_worker, ref_hit.bytes_per_worker)
+            if hit and ref_hit else None,
+            "train_s_to_target_vs_reference": _ratio(hit.train_s, ref_hit.train_s) if hit and ref_hit else None,
+            "short_of_target_points": None if hit else 100 * (target - best.accuracy),
+        }
+    return {"reference": reference, "reference_final_accuracy": ref_final, "target": target, "rows": rows}
+
+
+def _fmt_bytes(b: float) -> str:
+    return f"{b / 1e6:.1f} MB" if b < 1e9 else f"{b / 1e9:.2f} GB"
+
+
+def table(summary: dict[str, Any]) -> str:
+    """The Markdown table of ``summarize``'s result."""
+    target, ref = summary["target"], summary["reference"]
+    lines = [
+        f"| configuration | final accuracy (vs {ref}) | bytes/worker in all (vs {ref}) | training s in all | "
+        f"to {target:.4f}: step | bytes/worker (x fewer than {ref}) | training s (vs {ref}) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in summary["rows"].items():
+        head = (f"| {name} | {r['final_accuracy']:.4f} ({r['vs_reference_points']:+.1f} pt) | "
+                f"{_fmt_bytes(r['bytes_per_worker'])} ({r['bytes_vs_reference']:.3f}x) | {r['train_s']:.1f} | ")
+        if r["reached"]:
+            fewer = r["bytes_to_target_vs_reference"]
+            fewer_s = f"{1 / fewer:.1f}x" if fewer else "no bytes"
+            lines.append(head + f"{r['step_at_target']} | {_fmt_bytes(r['bytes_to_target'])} ({fewer_s}) | "
+                         f"{r['train_s_to_target']:.1f} ({r['train_s_to_target_vs_reference']:.2f}x) |")
+        else:
+            lines.append(head + f"not reached: best {r['best_accuracy']:.4f}, "
+                         f"{r['short_of_target_points']:.1f} pt short | | |")
+    return "\n".join(lines)
+
+
+def plot(curves: dict[str, list[Point]], title: str, path: Path) -> None:
+    """Eval loss and accuracy against bytes sent per worker (log scale), and accuracy against training seconds;
+    one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    for name, points in curves.items():
+        style = "--" if name.startswith(("ddp", "ring")) else "-"
+        sent = [p for p in points if p.bytes_per_worker > 0]
+        axes[0].plot([p.bytes_per_worker / 1e6 for p in sent], [p.loss for p in sent], style, label=name)
+        axes[1].plot([p.bytes_per_worker / 1e6 for p in sent], [p.accuracy for p in sent], style, label=name)
+        axes[2].plot([p.train_s for p in points], [p.accuracy for p in points], style, label=name)
+    for ax in axes[:2]:
+        ax.set_xscale("log")
+        ax.set_xlabel("MB sent per worker")
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("eval loss (averaged model)")
+    axes[1].set_ylabel("eval accuracy (averaged model)")
+    axes[2].set_xlabel("training seconds")
+    axes[2].set_ylabel("eval accuracy (averaged model)")
+    lows = [p.accuracy for points in curves.values() for p in points[len(points) // 5:]]
+    for ax in axes[1:]:
+        ax.set_ylim(max(0.0, min(lows) - 0.02), 1.0)
+        ax.grid(alpha=0.3)
+    axes[0].grid(alpha=0.3)
+    axes[2].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def records_of(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def run_config(prefix: list[str], recipe: str, label: str, base: str, overrides: list[str], out: Path,
+               timeout: float) -> dict[str, Any]:
+    """One ``decent-train`` job inside ``prefix`` (the emulated network) into ``out/label``; stopped (its process
+    group killed) after ``timeout`` seconds."""
+    run_dir = out / label
+    command = [*prefix, str(COMMAND), "-cn", recipe, f"+local_steps={base}", *COMMON, *overrides,
+               f"hydra.run.dir={run_dir}"]
+    print(f"$ {' '.join(command)}", flush=True)
+    load_before, start = load_average(), time.monotonic()
+    log = out / f"{label}.log"
+    with log.open("w") as sink:
+        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, PYTHONWARNINGS="ignore"))
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            sys.exit(f"bench_local_steps.py: {label} took over {timeout:g} s and was stopped; its output: {log}")
+    wall = time.monotonic() - start
+    if proc.returncode != 0:
+        sys.exit(f"bench_local_steps.py: {label} failed (exit {proc.returncode}):\n{log.read_text()[-3000:]}")
+    result = json.loads((run_dir / "result.json").read_text())
+    print(f"  {label}: eval/accuracy {result['eval/accuracy']:.4f}, training {result['train_time_s']:.1f} s, "
+          f"job {wall:.1f} s; load average before {load_before}, after {load_average()}", flush=True)
+    return {"base": base, "overrides": overrides, "command": command, "job_wall_s": wall,
+            "load_before": load_before, "load_after": load_average(), "samples": result["samples"]}
+
+
+def report(out: Path, runs: dict[str, dict[str, Any]], reference: str, target: float | None, network: str,
+           argv: list[str]) -> dict[str, Any]:
+    """Read every run's metrics, write ``local_steps.json`` and ``local_steps.png`` into ``out``, print the table."""
+    curves = {label: curve(records_of(out / label)) for label in runs}
+    if reference not in curves:
+        sys.exit(f"bench_local_steps.py: the reference {reference!r} is not among the runs ({', '.join(curves)})")
+    budgets = {label: r.get("samples") for label, r in runs.items()}
+    if len(set(budgets.values())) > 1:
+        print(f"warning: the runs trained on different budgets of samples: {budgets}", flush=True)
+    summary = summarize(curves, reference, target)
+    summary |= {"argv": argv, "network": network, "runs": runs,
+                "curves": {label: [asdict(p) for p in points] for label, points in curves.items()}}
+    (out / "local_steps.json").write_text(json.dumps(summary, indent=2))
+    first = out / next(iter(runs)) / "resolved_config.yaml"
+    title = f"4 workers, {network}"
+    if first.is_file():
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.load(first)
+        title = (f"{cfg.launch.nproc_per_node} workers, {network}: {cfg.model.name} {list(cfg.model.hidden_sizes)} on "
+                 f"{cfg.dataset.name} ({cfg.dataset.partition}), {cfg.optim.name}, {cfg.steps} steps")
+    plot(curves, title, out / "local_steps.png")
+    print(table(summary))
+    print(f"written: {out / 'local_steps.json'}, {out / 'local_steps.png'}")
+    return summary
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help=f"comma-separated names of {CONFIG_DIR.relative_to(ROOT)}/NAME.yaml, run in this order")
+    p.add_argument("--variant", nargs="+", action="append", default=[], metavar="LABEL BASE OVERRIDE",
+                   help="also run configuration BASE with these overrides, labelled LABEL (repeatable)")
+    p.add_argument("--recipe", default="local_steps_study", help="what every configuration shares (-cn)")
+    p.add_argument("--set", default="", help="space-separated overrides for every run (e.g. steps=200)")
+    p.add_argument("--rate", default=None, help="emulated link rate for tc, e.g. 1gbit (needs root)")
+    p.add_argument("--delay", default=None, help="with --rate: added one-way delay for netem, e.g. 1ms")
+    p.add_argument("--reference", default="ddp", help="the run whose final accuracy is the target")
+    p.add_argument("--target", type=float, default=None, help="the target accuracy instead of the reference's final")
+    p.add_argument("--out", type=Path, default=Path("bench/local_steps"))
+    p.add_argument("--timeout", type=float, default=1800, help="seconds a run may take before it is stopped")
+    p.add_argument("--from", dest="from_dir", type=Path, default=None,
+                   help="no runs: the table and plot again from the local_steps.json of an earlier run's --out")
+    args = p.parse_args()
+    if args.from_dir is not None:
+        saved = json.loads((args.from_dir / "local_steps.json").read_text())
+        report(args.from_dir, saved["runs"], args.reference, args.target, saved["network"], saved["argv"])
+        return
+
+    planned: dict[str, tuple[str, list[str]]] = {name: (name, []) for name in args.configs.split(",") if name}
+    for variant in args.variant:
+        if len(variant) < 2:
+            sys.exit(f"bench_local_steps.py: --variant {' '.join(variant)}: give LABEL BASE [OVERRIDE...]")
+        planned[variant[0]] = (variant[1], variant[2:])
+    unknown = sorted({base for base, _ in planned.values() if not (CONFIG_DIR / f"{base}.yaml").is_file()})
+    if unknown:
+        known = ", ".join(sorted(f.stem for f in CONFIG_DIR.glob("*.yaml")))
+        sys.exit(f"bench_local_steps.py: no configuration {', '.join(unknown)}; valid: {known}")
+    if args.reference not in planned:
+        sys.exit(f"bench_local_steps.py: --reference {args.reference} is not among the runs")
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(f"uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}", flush=True)
+
+    import benchmark  # noqa: E402  (scripts/benchmark.py: the emulated link)
+
+    shared = args.set.split()
+    runs = {}
+    with benchmark.emulated_network(args.rate, args.delay) as prefix:
+        for label, (base, overrides) in planned.items():
+            runs[label] = run_config(prefix, args.recipe, label, base, [*shared, *overrides], args.out, args.timeout)
+    delay = f", +{args.delay} delay" if args.delay else ""
+    network = f"one {args.rate} link shared by all workers{delay}" if args.rate else "loopback (no emulation)"
+    print(f"uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}", flush=True)
+    report(args.out, runs, args.reference, args.target, network, sys.argv)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    main()
