@@ -1,23 +1,42 @@
-"""DiLoCo and LocalSGD over the user's optimizer (algorithms/local_steps.py) against a float64 single-process replay
-of the formulas in the module's docstring, with dense mixing matrices (Topology.mixing_matrix)."""
+"""DiLoCo and LocalSGD over the user's optimizer (algorithms/local_steps.py) against float64 single-process replays
+of the formulas in the module's docstring, with dense mixing matrices (Topology.mixing_matrix).
+
+Issue 28's acceptance 1 (20 inner steps, H=5, 4 workers, AdamW inner, Nesterov SGD outer; the replay told apart from
+deliberately wrong variants of it) and 4 (the user's own optimizer, LR scheduler, gradient clipping and torch.compile;
+per-step gossip through the front is x <- W(x − U(∇f(x))), not the engine's x <- Wx − U(∇f(x))). torchft's own
+formulation of DiLoCo (acceptance 2): tests/test_local_steps_torchft.py."""
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from decent_train import DiLoCo, LocalSGD
 from tests.distributed import run_workers
-from tests.replay import loss_fn, make_model, topology_for
+from tests.replay import loss_fn, make_model, replay, topology_for
 
-INNER_STEPS = 9
+INNER_STEPS, SYNC_EVERY = 20, 5  # 4 outer steps: rounds 0..3 (ring's period is 2: both rounds, twice)
+TOLERANCE = 1e-9  # float64: the front and the replay differ by round-off only (sums in another order)
+WRONG = 1e-3  # a wrong variant deviates by more (measured: 0.013 to 0.46): 10^6 x the tolerance
+
+# The replay's variants: "exact" is the formula; the others are mistakes a front could make.
+VARIANTS = (
+    "exact",
+    "pseudo_gradients_only",  # mixes Δ but steps from the worker's own anchor instead of the mixed one
+    "round_off_by_one",  # outer step k uses the topology's round k + 1
+    "sign_flipped",  # Δ = x − anchor
+    "step_from_local",  # the outer step starts from x (torchft's restore to the anchor forgotten)
+)
 
 
 def _inner(params: Any) -> torch.optim.Optimizer:
@@ -28,40 +47,65 @@ def _outer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
 
 
-def _train(rank: int, world_size: int, topology: str, sync_every: int, local_sgd: bool) -> list[torch.Tensor]:
+def _params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _deviation(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) -> float:
+    """The largest elementwise difference between two runs' parameters, over every worker."""
+    return max((a - b).abs().max().item() for g, w in zip(got, want) for a, b in zip(g, w))
+
+
+def _train(rank: int, world_size: int, topology: str, sync_every: int, local_sgd: bool,
+           steps: int = INNER_STEPS) -> list[torch.Tensor]:
     """The user's loop with the two lines of the front; worker 0..n-1 start from different seeds (rank 0's wins)."""
     model = make_model(seed=rank)
     inner = _inner(model.parameters())
     front = (LocalSGD(model, inner, sync_every=sync_every, topology=topology) if local_sgd
              else DiLoCo(model, inner, _outer(model.parameters()), sync_every=sync_every, topology=topology))
     with front:
-        for step in range(INNER_STEPS):
+        for step in range(steps):
             loss_fn(model, rank, step).backward()
             inner.step()
             inner.zero_grad()
-    return [p.detach().clone() for p in model.parameters()]
+    return _params(model)
 
 
-def _replay(world_size: int, topology: str, sync_every: int, local_sgd: bool) -> list[list[torch.Tensor]]:
-    """Every worker in one process, in float64: inner steps on each worker's batches; every sync_every-th step the
-    outer step of round k with the dense W of the topology."""
-    start = make_model(seed=0)
+@functools.cache
+def _workers(topology: str, world_size: int, local_sgd: bool) -> list[list[torch.Tensor]]:
+    """The front's run of acceptance 1 (computed once per session: the exactness and the variant tests share it)."""
+    return run_workers(_train, world_size, topology, SYNC_EVERY, local_sgd)
+
+
+def _replay(world_size: int, topology: str, sync_every: int, local_sgd: bool, steps: int = INNER_STEPS,
+            variant: str = "exact", scheduler_fn: Callable[[torch.optim.Optimizer], Any] | None = None,
+            clip: float = 0.0) -> list[list[torch.Tensor]]:
+    """Every worker in one process, in float64, all from rank 0's initial parameters: inner steps on each worker's
+    batches (gradient clipped to norm ``clip`` if > 0, scheduler stepped after the optimizer); after every
+    ``sync_every``-th, outer step k with the dense W of the topology's round k:
+    Δ_j = anchor_j − x_j; worker i's outer optimizer steps from Σ_j W_ij anchor_j with gradient Σ_j W_ij Δ_j;
+    the result is its parameters and anchor. LocalSGD: x_i <- Σ_j W_ij x_j. ``variant``: one of VARIANTS."""
+    assert variant in VARIANTS, variant
     models = [make_model(seed=0) for _ in range(world_size)]
-    for m in models:
-        m.load_state_dict(start.state_dict())
     inners = [_inner(m.parameters()) for m in models]
+    schedulers = [scheduler_fn(opt) if scheduler_fn else None for opt in inners]
     outers = [_outer(m.parameters()) for m in models]
-    anchors = [[p.detach().clone() for p in m.parameters()] for m in models]
+    anchors = [_params(m) for m in models]
     built, outer_step = topology_for(topology, world_size), 0
-    for step in range(INNER_STEPS):
-        for rank, (m, opt) in enumerate(zip(models, inners)):
+    for step in range(steps):
+        for rank, (m, opt, scheduler) in enumerate(zip(models, inners, schedulers)):
             loss_fn(m, rank, step).backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
             opt.step()
+            if scheduler is not None:
+                scheduler.step()
             opt.zero_grad()
         if (step + 1) % sync_every:
             continue
-        w = built.mixing_matrix(outer_step)
-        xs = [[p.detach().clone() for p in m.parameters()] for m in models]
+        w = built.mixing_matrix(outer_step + (variant == "round_off_by_one"))
+        xs = [_params(m) for m in models]
+        sign = -1.0 if variant == "sign_flipped" else 1.0
         with torch.no_grad():
             for i, m in enumerate(models):
                 for k, p in enumerate(m.parameters()):
@@ -70,28 +114,47 @@ def _replay(world_size: int, topology: str, sync_every: int, local_sgd: bool) ->
                         p.copy_(wx)
                         continue
                     a = sum(w[i, j] * anchors[j][k] for j in range(world_size))
-                    g = sum(w[i, j] * (anchors[j][k] - xs[j][k]) for j in range(world_size))
-                    p.copy_(a)
+                    g = sum(w[i, j] * sign * (anchors[j][k] - xs[j][k]) for j in range(world_size))
+                    start = {"pseudo_gradients_only": anchors[i][k], "step_from_local": xs[i][k]}.get(variant, a)
+                    p.copy_(start)
                     p.grad = g
         if not local_sgd:
             for opt in outers:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-        anchors = [[p.detach().clone() for p in m.parameters()] for m in models]
+        anchors = [_params(m) for m in models]
         outer_step += 1
-    return [[p.detach() for p in m.parameters()] for m in models]
+    return [_params(m) for m in models]
 
 
 @pytest.mark.parametrize("local_sgd", [False, True], ids=["diloco", "localsgd"])
 @pytest.mark.parametrize("topology, world_size", [("complete", 4), ("ring", 4), ("one-peer-exp", 4), ("ring", 5)])
 def test_every_worker_matches_the_replay(topology: str, world_size: int, local_sgd: bool) -> None:
-    """9 inner AdamW steps, an outer step after every 3rd (Nesterov SGD, lr 0.7): 3 outer steps, rounds 0, 1, 2."""
-    engine = run_workers(_train, world_size, topology, 3, local_sgd)
-    expected = _replay(world_size, topology, 3, local_sgd)
-    deviation = max((a - b).abs().max().item() for got, want in zip(engine, expected) for a, b in zip(got, want))
-    assert deviation <= 1e-9
-    if topology != "complete":  # the replay tells gossip from all-reduce: the workers differ
-        assert any((a - b).abs().max() > 1e-6 for other in engine[1:] for a, b in zip(engine[0], other))
+    """Acceptance 1: 20 inner AdamW steps, an outer step after every 5th (Nesterov SGD, lr 0.7): 4 outer steps,
+    rounds 0..3; every worker's parameters within 1e-9 of the replay."""
+    workers = _workers(topology, world_size, local_sgd)
+    deviation = _deviation(workers, _replay(world_size, topology, SYNC_EVERY, local_sgd))
+    assert deviation <= TOLERANCE, f"the workers are {deviation:.3g} from the replay"
+    if topology != "complete":  # gossip, not an all-reduce: the workers differ
+        assert any((a - b).abs().max() > 1e-6 for other in workers[1:] for a, b in zip(workers[0], other))
+
+
+@pytest.mark.parametrize("topology, local_sgd, variant", [
+    ("ring", False, "pseudo_gradients_only"),
+    ("ring", False, "round_off_by_one"),
+    ("ring", False, "sign_flipped"),
+    ("ring", False, "step_from_local"),
+    ("ring", True, "round_off_by_one"),
+    ("complete", False, "sign_flipped"),
+    ("complete", False, "step_from_local"),
+])
+def test_a_wrong_replay_fails(topology: str, local_sgd: bool, variant: str) -> None:
+    """Acceptance 1's other half: the test above would fail for a front that computed a wrong variant, since each
+    variant's replay is far (> 1e-3, 10^6 x the tolerance) from the workers' parameters. (On ``complete`` the anchors
+    are equal and every round is the same, so mixing the anchors or not and the round index make no difference
+    there: those two variants are checked on the ring.)"""
+    workers = _workers(topology, 4, local_sgd)
+    assert _deviation(workers, _replay(4, topology, SYNC_EVERY, local_sgd, variant=variant)) > WRONG
 
 
 def test_wrong_arguments_are_one_line() -> None:
@@ -102,13 +165,114 @@ def test_wrong_arguments_are_one_line() -> None:
         DiLoCo(model, _inner(model.parameters()), _outer([nn.Parameter(torch.zeros(1))]), sync_every=2)
 
 
+# -- acceptance 4: the user's own loop ----------------------------------------------------------------------------
+
+CLIP = 0.3  # below these batches' gradient norms (0.45 to 1.3 at the start): the clipping acts
+
+
+def _one_cycle(optimizer: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.03, total_steps=INNER_STEPS)
+
+
+def _own_loop(rank: int, world_size: int, topology: str) -> dict[str, Any]:
+    """A plain script's loop: ``model = torch.compile(model)`` (in this worker process: compiling in the pytest
+    process breaks later fork-based tests), the front given the compiled module, AdamW with a OneCycle schedule of
+    its own, gradient clipping between backward and step. Returns the parameters and the graphs dynamo compiled."""
+    model = make_model(seed=rank)
+    inner = _inner(model.parameters())
+    scheduler = _one_cycle(inner)
+    net = torch.compile(model)
+    with DiLoCo(net, inner, _outer(net.parameters()), sync_every=SYNC_EVERY, topology=topology):
+        for step in range(INNER_STEPS):
+            if step == 0 and rank > 0:
+                dist.barrier()  # rank 0 compiles first; the others then find its kernels in inductor's cache
+            loss_fn(net, rank, step).backward()
+            if step == 0 and rank == 0:
+                dist.barrier()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)
+            inner.step()
+            scheduler.step()
+            inner.zero_grad()
+    return {"params": _params(model), "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
+
+
+def test_a_compiled_model_with_its_own_scheduler_and_clipping_matches_the_replay() -> None:
+    """Acceptance 4, the loop: 4 workers, ring, the model compiled (inductor, float64) with OneCycle and clipping.
+    The replay is eager: compiled float64 kernels may differ from eager ones by round-off only (sums in another
+    order; measured 3e-16, as eager workers), far below the 1e-9; the replays without the scheduler or without the clipping are far
+    off (> 1e-3), so both act in the run checked."""
+    results = run_workers(_own_loop, 4, "ring", timeout=300)
+    assert all(result["graphs"] >= 1 for result in results)  # compiled indeed, not run eagerly
+    workers = [result["params"] for result in results]
+    assert _deviation(workers, _replay(4, "ring", SYNC_EVERY, False, scheduler_fn=_one_cycle, clip=CLIP)) <= TOLERANCE
+    assert _deviation(workers, _replay(4, "ring", SYNC_EVERY, False, clip=CLIP)) > WRONG
+    assert _deviation(workers, _replay(4, "ring", SYNC_EVERY, False, scheduler_fn=_one_cycle)) > WRONG
+
+
+# -- acceptance 4: per-step gossip through the front is adapt, then combine -------------------------------------
+
+PER_STEP = 8
+
+
+def _per_step(rank: int, world_size: int, topology: str, local_sgd: bool) -> list[torch.Tensor]:
+    """sync_every=1 through the front: DiLoCo with outer SGD(lr=1, no momentum), or LocalSGD."""
+    model = make_model(seed=rank)
+    inner = _inner(model.parameters())
+    front = (LocalSGD(model, inner, sync_every=1, topology=topology) if local_sgd else
+             DiLoCo(model, inner, torch.optim.SGD(model.parameters(), lr=1.0), sync_every=1, topology=topology))
+    with front:
+        for step in range(PER_STEP):
+            loss_fn(model, rank, step).backward()
+            inner.step()
+            inner.zero_grad()
+    return _params(model)
+
+
+def _adapt_then_combine(world_size: int, topology: str, steps: int) -> list[list[torch.Tensor]]:
+    """x_i <- Σ_j W(s)_ij (x_j − U_j(∇f_j(x_j))): every worker's AdamW step at its own parameters, then the mix."""
+    models = [make_model(seed=0) for _ in range(world_size)]
+    inners = [_inner(m.parameters()) for m in models]
+    built = topology_for(topology, world_size)
+    for step in range(steps):
+        for rank, (m, opt) in enumerate(zip(models, inners)):
+            loss_fn(m, rank, step).backward()
+            opt.step()
+            opt.zero_grad()
+        w = built.mixing_matrix(step)
+        with torch.no_grad():
+            for params in zip(*(m.parameters() for m in models)):
+                mixed = torch.einsum("ij,j...->i...", w.to(params[0].dtype), torch.stack(params))
+                for p, new in zip(params, mixed):
+                    p.copy_(new)
+    return [_params(m) for m in models]
+
+
+def _combine_then_adapt(world_size: int, topology: str, steps: int) -> list[list[torch.Tensor]]:
+    """The engine's in-backward path x <- Wx − U(∇f(x)) on the same data: tests/replay.py's oracle of the engine."""
+    expected = replay(topology_for(topology, world_size), steps, optim_fn=lambda named: _inner([p for _, p in named]),
+                      model_fn=lambda _seed: make_model(seed=0))
+    return [list(snapshot.values()) for snapshot in expected]
+
+
+@pytest.mark.parametrize("local_sgd", [False, True], ids=["diloco-sgd1", "localsgd"])
+@pytest.mark.parametrize("topology", ["complete", "ring"])
+def test_per_step_gossip_through_the_front_adapts_then_combines(topology: str, local_sgd: bool) -> None:
+    """Acceptance 4, the formula: with sync_every=1 the front computes x <- W(x − U(∇f(x))) (within 1e-9 over 8
+    AdamW steps), which on the same data is far (> 1e-3) from the engine's x <- Wx − U(∇f(x)): the replay tells the
+    two apart (AdamW's update differs: its weight decay acts on x or on Wx, and every worker's U is its own)."""
+    workers = run_workers(_per_step, 4, topology, local_sgd)
+    assert _deviation(workers, _adapt_then_combine(4, topology, PER_STEP)) <= TOLERANCE
+    assert _deviation(workers, _combine_then_adapt(4, topology, PER_STEP)) > WRONG
+
+
 @pytest.mark.slow
 def test_a_script_with_its_own_optimizer_adopts_diloco_with_two_lines() -> None:
-    """tests/user_scripts/own_optimizer.py (AdamW and a cosine schedule of its own, ``inner.step()`` as usual) under
-    torchrun on 4 workers, ring gossip outer steps: every rank exits 0 and the loss falls."""
+    """tests/user_scripts/own_optimizer.py (AdamW and a cosine schedule of its own, gradient clipping,
+    ``torch.compile``, ``inner.step()`` as usual) under torchrun on 4 workers, ring gossip outer steps: every rank
+    exits 0 and the loss falls."""
     script = Path(__file__).parent / "user_scripts" / "own_optimizer.py"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                           str(script)], capture_output=True, text=True, timeout=300)
+                           str(script), "--compile", "--clip", "1.0"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, final = (float(v) for v in re.search(r"first loss ([\d.]+) final loss ([\d.]+)", proc.stdout).groups())
     assert final < 0.5 * first
@@ -132,7 +296,7 @@ def _resumed(rank: int, world_size: int, stop: int, total: int) -> dict[str, lis
 
     model, inner, front = build(rank)
     run(model, inner, front, range(total))
-    straight = [p.detach().clone() for p in model.parameters()]
+    straight = _params(model)
     model, inner, front = build(rank)
     run(model, inner, front, range(stop))
     saved = [model.state_dict(), inner.state_dict(), front.state_dict()]
@@ -141,7 +305,7 @@ def _resumed(rank: int, world_size: int, stop: int, total: int) -> dict[str, lis
     inner.load_state_dict(saved[1])
     front.load_state_dict(saved[2])
     run(model, inner, front, range(stop, total))
-    return {"straight": straight, "resumed": [p.detach().clone() for p in model.parameters()]}
+    return {"straight": straight, "resumed": _params(model)}
 
 
 @pytest.mark.parametrize("stop", [3, 4])  # between outer steps; right after one
