@@ -78,6 +78,9 @@ class AlgorithmTraits:
     schema: type[AlgorithmConfig] = AlgorithmConfig  # its options
     gossips: bool = False  # exchanges with its topology's neighbours: builds the topology; compression applies
     takes_phases: bool = False  # runs in the engine, which switches between gossip and all-reduce (``phases``)
+    # Each worker steps its own optimizer between outer steps (diloco, localsgd): fp16's per-worker skipped steps would
+    # put the workers' outer steps at different steps (a hang), and the engine's global_avg_every does not apply.
+    local_steps: bool = False
 
 
 ALGORITHM_TRAITS: dict[str, AlgorithmTraits] = {
@@ -336,8 +339,10 @@ class TrainConfig:
         if self.compression.name != "none" and not traits.gossips:
             raise ValueError(
                 f"compression={self.compression.name} compresses gossip; algorithm={self.algorithm.name} does not "
-                "gossip: use algorithm=decentralized or compression=none"
+                "gossip: use algorithm=decentralized, diloco or localsgd, or compression=none"
             )
+        if traits.local_steps:
+            self._check_local_steps()
         self._check_model_fits_data()
         self._check_phases()
 
@@ -354,6 +359,25 @@ class TrainConfig:
                 self.batch_size_per_worker(world_size)
         if self.steps < 0 or (self.steps == 0 and self.epochs <= 0):
             raise ValueError(f"steps={self.steps}, epochs={self.epochs}: set steps >= 1, or steps=0 and epochs > 0")
+
+    def _check_local_steps(self) -> None:
+        """What cannot apply when each worker steps alone between outer steps (``AlgorithmTraits.local_steps``)."""
+        name = self.algorithm.name
+        if self.precision == "fp16":
+            raise ValueError(
+                f"precision=fp16 with algorithm={name}: a worker whose gradients overflow skips its step alone, and "
+                "the workers' outer steps would fall at different steps; use precision=bf16 or fp32"
+            )
+        if self.global_avg_every:
+            raise ValueError(
+                f"global_avg_every={self.global_avg_every} is the engine's (algorithm=decentralized); "
+                f"algorithm={name} averages at its outer steps (algorithm.sync_every): leave global_avg_every=0"
+            )
+        if self.compression.copy_dtype != "param":
+            raise ValueError(
+                f"compression.copy_dtype={self.compression.copy_dtype} sets per-step gossip's public copies; "
+                f"algorithm={name}'s outer exchange keeps none: leave compression.copy_dtype=param"
+            )
 
     def _check_phases(self) -> None:
         if not self.phases:

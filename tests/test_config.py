@@ -29,7 +29,10 @@ from decent_train.config import (
     register_algorithm,
 )
 from decent_train.launcher.cli import describe_error, shipped_dir
-from decent_train.launcher.preflight import preflight
+from decent_train.algorithms.local_steps_algorithms import DiLoCoConfig
+from decent_train.components.data import DatasetConfig, build_datasets
+from decent_train.components.models import ModelConfig, build_model
+from decent_train.launcher.preflight import preflight, trainable_tensors
 from decent_train.launcher.launch import torchrun_command
 
 from .datafiles import write_cifar, write_image_folder, write_token_files
@@ -75,7 +78,8 @@ def test_every_option_composes_and_checks(group: str, option: str, data_dirs: di
         cfg = compose("train", overrides=overrides)
     checked = check_config(cfg)
     preflight(checked)
-    assert getattr(checked, group).__class__ is type(getattr(TrainConfig(), group))
+    schema = ALGORITHM_TRAITS[option].schema if group == "algorithm" else type(getattr(TrainConfig(), group))
+    assert getattr(checked, group).__class__ is schema  # an algorithm with options: its own schema
     if "name" in cfg[group]:
         assert getattr(checked, group).name == option
 
@@ -122,6 +126,24 @@ def test_every_option_composes_and_checks(group: str, option: str, data_dirs: di
         ({"compression": {"name": "int8", "int8_block": 6}}, "compression.int8_block=6"),
         ({"compression": {"name": "int8", "copy_dtype": "fp16"}}, "compression.copy_dtype='fp16'; valid: param, bf16"),
         ({"compression": {"name": "bf16"}, "algorithm": "allreduce"}, "compression=bf16 compresses gossip"),
+        # local steps (algorithm=diloco, localsgd): the front's own rules, named by the algorithm's keys
+        ({"algorithm": {"name": "diloco", "sync_every": 0}}, "algorithm=diloco: sync_every=0: must be a positive"),
+        ({"algorithm": {"name": "localsgd", "fragments": 0}}, "algorithm=localsgd: fragments=0: must be a positive"),
+        ({"algorithm": {"name": "diloco", "sync_every": 10, "fragments": 3}},
+         "sync_every=10 is not a multiple of fragments=3"),
+        ({"algorithm": {"name": "diloco", "sync_every": 10, "fragments": 2, "fragment_sync_delay": 5}},
+         "fragment_sync_delay=5: must be an integer in [0, 5)"),
+        ({"algorithm": {"name": "diloco", "fragment_update_alpha": 1.5}}, "fragment_update_alpha=1.5: must be in [0, 1]"),
+        ({"algorithm": {"name": "diloco", "outer_lr": 0.0}}, "algorithm.outer_lr=0.0 must be > 0"),
+        ({"algorithm": {"name": "diloco", "outer_momentum": 0.0}}, "algorithm.nesterov=true needs"),
+        ({"algorithm": {"name": "diloco", "sync_every": 20, "fragments": 10}, "model": {"name": "mlp"}},
+         "algorithm.fragments=10: model=mlp has 6 trainable parameter tensors"),
+        ({"algorithm": "diloco", "precision": "fp16"}, "precision=fp16 with algorithm=diloco"),
+        ({"algorithm": "localsgd", "global_avg_every": 5}, "global_avg_every=5 is the engine's"),
+        ({"algorithm": "diloco", "compression": {"name": "int8", "copy_dtype": "bf16"}},
+         "compression.copy_dtype=bf16 sets per-step gossip's public copies"),
+        ({"algorithm": "diloco", "phases": [{"algorithm": "allreduce", "steps": 5}, {}]},
+         "leave algorithm=decentralized (not 'diloco')"),
     ],
 )
 def test_bad_values_name_themselves(override: dict, fragment: str) -> None:
@@ -138,6 +160,7 @@ PREFLIGHT_ONLY = [  # what needs the disk, the user's code or a topology built: 
     ({"launch": {"nproc_per_node": 3}, "phases": [{"steps": 5}, {"topology": "one-peer-exp"}]},
      "topology=one-peer-exp with 3 workers"),
     ({"dataset": {"partition": "classes", "classes_per_worker": 1}, "launch": {"nproc_per_node": 4}}, "10 classes"),
+    ({"algorithm": {"name": "localsgd", "sync_every": 9, "fragments": 9}}, "algorithm.fragments=9: model=cnn has 8"),
 ]
 
 
@@ -241,6 +264,29 @@ def test_an_algorithm_with_options_is_a_schema_and_one_file(tmp_path: Path, monk
     assert check_config({"algorithm": "local"}).algorithm == _LocalConfig()
     with pytest.raises(ValueError, match="algorithm.sync_every=0 must be >= 1"):
         check_config({"algorithm": {"name": "local", "sync_every": 0}})
+
+
+def test_local_steps_compose_typed_take_compression_and_count_fragments_from_the_model() -> None:
+    """algorithm=diloco|localsgd: options typed (LocalSGD has no outer optimizer), compression allowed (their outer
+    exchange), and the preflight's count of parameter tensors equal to that of the model built for real data."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        overrides = ["algorithm=diloco", "algorithm.sync_every=20", "algorithm.fragments=4", "compression=int8"]
+        cfg = check_config(compose("train", overrides=overrides))
+        with pytest.raises(ConfigCompositionException) as error:
+            compose("train", overrides=["algorithm=localsgd", "algorithm.outer_lr=0.5"])
+    assert describe_error(error.value) == (
+        "algorithm.outer_lr is not a key; valid in algorithm: name, sync_every, fragments, fragment_sync_delay"
+    )
+    preflight(cfg)
+    assert cfg.gossips and cfg.compression.name == "int8"
+    assert cfg.algorithm == DiLoCoConfig(sync_every=20, fragments=4)
+    assert (cfg.algorithm.outer_lr, cfg.algorithm.outer_momentum, cfg.algorithm.nesterov) == (0.2, 0.9, True)
+    digits = build_datasets(DatasetConfig(name="digits"))
+    for model in (ModelConfig(name="cnn"), ModelConfig(name="mlp", hidden_sizes=[5, 5, 5])):
+        real = build_model(model, digits.input_shape, digits.num_classes)
+        assert trainable_tensors(model, tokens=False) == len(list(real.parameters()))
+    gpt = ModelConfig(name="gpt2", layers=2, heads=2, width=8)  # its head is tied to the embedding: counted once
+    assert trainable_tensors(gpt, tokens=True) == len(list(build_model(gpt, (16,), 50).parameters())) == 2 + 2 * 6 + 1  # wte, wpe; per block ln_1, qkv, proj, ln_2, fc, proj; ln_f
 
 
 def test_allreduce_ignores_the_topology() -> None:

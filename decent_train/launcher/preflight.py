@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from decent_train.components.checkpoint import complete_checkpoints
+from decent_train.components.models import ModelConfig, build_model
 from decent_train.config import TrainConfig
 from decent_train.engine.host_memory import host_malloc_choice
 from decent_train.engine.int8_kernels import compiled_int8_choice
@@ -27,6 +30,7 @@ def preflight(cfg: TrainConfig) -> None:
         check_topologies(cfg)
     if cfg.resume is not None:
         check_resume(cfg)
+    check_fragments(cfg)
 
 
 def check_topologies(cfg: TrainConfig) -> None:
@@ -51,3 +55,26 @@ def check_resume(cfg: TrainConfig) -> None:
         mismatch = checkpoints[0].describe_mismatch(cfg.launch.world_size, cfg.schedule(), cfg.model.architecture())
         if mismatch:
             raise ValueError(f"resume={cfg.resume}: {mismatch}")
+
+
+def check_fragments(cfg: TrainConfig) -> None:
+    """A fragment is a set of whole parameter tensors: ``algorithm.fragments`` may not exceed the model's trainable
+    ones (an empty fragment would sync nothing at its steps)."""
+    fragments = getattr(cfg.algorithm, "fragments", 1)
+    if fragments <= 1:
+        return
+    tensors = trainable_tensors(cfg.model, cfg.dataset.is_tokens)
+    if fragments > tensors:
+        raise ValueError(
+            f"algorithm.fragments={fragments}: model={cfg.model.name} has {tensors} trainable parameter tensors, so "
+            f"at most {tensors} fragments"
+        )
+
+
+def trainable_tensors(model: ModelConfig, tokens: bool) -> int:
+    """How many trainable parameter tensors ``model`` has (tied ones once, as ``parameters()`` yields them). Their
+    number does not depend on the input's size or the number of classes, so any stands in for the dataset's."""
+    input_shape = (8,) if tokens or model.name == "mlp" else (3, 8, 8)
+    with torch.device("meta"):
+        net = build_model(model, input_shape, 2)
+    return sum(1 for p in net.parameters() if p.requires_grad)

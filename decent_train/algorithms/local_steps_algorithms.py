@@ -1,0 +1,235 @@
+"""``algorithm=diloco`` and ``algorithm=localsgd``: the step-hook front of ``local_steps.py`` driven by the launcher.
+
+Each worker trains the bare model with its own inner optimizer (``optim=``) and schedule (``scheduler=``); nothing
+communicates in backward. Every ``algorithm.sync_every``-th inner step the front's hook (it runs inside
+``inner.step()``) makes an outer step over ``topology=`` (``complete``: an all-reduce) with ``compression=`` applied to
+what it sends. DiLoCo's outer optimizer is SGD with ``algorithm.outer_lr``, ``outer_momentum`` and ``nesterov`` (0.2 / 0.9 /
+Nesterov; torchtitan's lr is 0.7, see ``DiLoCoConfig``); LocalSGD averages the parameters instead.
+
+Why the front and not a second implementation: the launcher and a user's own script then run the same update, which
+``tests/test_local_steps.py`` checks against a float64 replay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from decent_train.algorithms import local_steps
+from decent_train.algorithms.base import Algorithm, register
+from decent_train.components.metrics import ConsensusProbe
+from decent_train.components.optim import make_optim_fn
+from decent_train.config import AlgorithmConfig, AlgorithmTraits, TrainConfig
+from decent_train.engine.optimizers import LRSchedulerFn
+
+
+@dataclass
+class LocalSGDConfig(AlgorithmConfig):
+    """``algorithm=localsgd``: H inner steps, then the parameters are mixed over the topology (averaged with
+    ``complete``). ``fragments`` > 1 syncs the model in that many parts at staggered steps (Streaming DiLoCo), each
+    ``fragment_sync_delay`` inner steps after its exchange started."""
+
+    name: str = "localsgd"
+    sync_every: int = 10  # inner steps per outer step (H)
+    fragments: int = 1
+    fragment_sync_delay: int = 0
+
+    def __post_init__(self) -> None:
+        self._check(fragment_update_alpha=0.0)
+
+    def _check(self, fragment_update_alpha: float) -> None:
+        """The front's own rule (one place), its message naming the ``algorithm.`` key."""
+        try:
+            local_steps.check_local_steps_arguments(
+                self.sync_every, self.fragments, self.fragment_sync_delay, fragment_update_alpha
+            )
+        except ValueError as error:
+            raise ValueError(f"algorithm={self.name}: {error}") from None
+
+
+@dataclass
+class DiLoCoConfig(LocalSGDConfig):
+    """``algorithm=diloco``: LocalSGD's options plus the outer optimizer (SGD over the pseudo-gradients) and
+    ``fragment_update_alpha`` (a synced fragment keeps this share of its local parameters: torchft's mix)."""
+
+    name: str = "diloco"
+    # Not torchtitan's 0.7: Nesterov momentum 0.9 steps ~outer_lr / (1 - 0.9) times a steady pseudo-gradient, so 0.7
+    # moves 7x as far as the inner steps did, too far for the default job's AccumAdamW at 3e-3 (ring, H=10, seeds
+    # 0/1/2: 0.944/0.852/0.933 accuracy; 0.2: 0.981/0.972/0.986, complete 0.981/0.978/0.986). Set 0.7 with a
+    # smaller inner lr (DiLoCo's long periods and large models).
+    outer_lr: float = 0.2
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    fragment_update_alpha: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._check(self.fragment_update_alpha)
+        if self.outer_lr <= 0:
+            raise ValueError(f"algorithm.outer_lr={self.outer_lr} must be > 0")
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise ValueError(f"algorithm.outer_momentum={self.outer_momentum} must be in [0, 1)")
+        if self.nesterov and self.outer_momentum == 0:
+            raise ValueError("algorithm.nesterov=true needs algorithm.outer_momentum > 0 (or set nesterov=false)")
+
+
+_LOCAL_STEPS = dict(gossips=True, local_steps=True)  # a topology and compression apply; no phases, no fp16
+
+
+class _LocalSteps(Algorithm):
+    """What DiLoCo and LocalSGD share: the inner optimizer and schedule stepped by the loop, the front over them."""
+
+    front: local_steps.DiLoCo
+
+    def __init__(
+        self, net: nn.Module, cfg: TrainConfig, schedule: LRSchedulerFn, scaler: torch.amp.GradScaler, steps_taken: int
+    ) -> None:
+        self.model = self.net = net  # no wrapper: nothing communicates in backward
+        self.scaler, self.grad_clip_norm = scaler, cfg.grad_clip_norm
+        self.inner = make_optim_fn(cfg.optim)(list(net.named_parameters()))
+        self.scheduler = schedule(self.inner)
+        self.options = cfg.algorithm
+        self.consensus_every = cfg.logger.consensus_every
+        self.consensus_samples, self.seed = cfg.logger.consensus_samples, cfg.seed
+        self._topology_name = cfg.topology.name
+        self.front = self._build_front(cfg, self._front_kwargs(cfg))
+        self.front.__enter__()  # the hook stays on the inner optimizer for the whole run
+
+    def _build_front(self, cfg: TrainConfig, kwargs: dict[str, Any]) -> local_steps.DiLoCo:
+        raise NotImplementedError
+
+    def _front_kwargs(self, cfg: TrainConfig) -> dict[str, Any]:
+        """The front's keywords: the config's, passed only where they differ from the front's defaults."""
+        options = cfg.algorithm
+        kwargs: dict[str, Any] = {"local_world_size": cfg.topology.local_world_size, "timeout": cfg.comm_timeout_s}
+        wanted = {"fragments": (options.fragments, 1), "fragment_sync_delay": (options.fragment_sync_delay, 0)}
+        if cfg.compression.name != "none":
+            wanted |= {
+                "compression": (cfg.compression.name, None),
+                "consensus_step": (cfg.compression.consensus_step, 1.0),
+                "int8_block": (cfg.compression.int8_block, 256),
+            }
+        return kwargs | {key: value for key, (value, default) in wanted.items() if value != default}
+
+    @property
+    def topology_name(self) -> str | None:
+        return self._topology_name
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer, its schedule, the scaler and the front's state (counters, anchors, outer momentum):
+        with the model's and the generators' (saved beside it) a resumed run continues bit-identically."""
+        return {
+            "inner": self.inner.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "front": self.front.state_dict(),
+        }
+
+    @staticmethod
+    def averageable_state(state: dict[str, Any]) -> dict[str, Any]:
+        """All but what one worker alone can use: the exchange in flight and the compressed public copies (the front
+        restarts them from the averaged parameters). The floating-point tensors are averaged over the saved workers,
+        the rest (counters, schedule, scaler) taken from rank 0's, equal on every worker. Why averaging the anchors
+        and the outer momentum is right: the models are averaged too, and the pseudo-gradient (anchor − x) and SGD's
+        momentum are linear in them, so the workers continue as from one outer step of ``complete`` (under which
+        they are equal already); the inner optimizer's moments are averaged as the other algorithms average theirs.
+        """
+        return {**state, "front": {**state["front"], "in_flight": None, "copies": None}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state["inner"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.front.load_state_dict(state["front"])
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # backward never communicates
+
+    def step(self) -> None:
+        """One inner step (the front's outer step runs inside it, every ``sync_every``-th)."""
+        if self.grad_clip_norm > 0:
+            self.scaler.unscale_(self.inner)
+            torch.nn.utils.clip_grad_norm_(self.net.parameters(), self.grad_clip_norm)
+        self.scaler.step(self.inner)  # fp16 is refused for local steps (config): a plain inner.step()
+        self.scaler.update()
+        self.inner.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
+    def lr(self) -> float:
+        return float(self.inner.param_groups[0]["lr"])
+
+    def bytes_per_step(self) -> float:
+        """An outer step's bytes over ``sync_every`` (the front counts what its exchange sends)."""
+        return float(self.front.bytes_per_inner_step())
+
+    def comm_wait_seconds(self) -> float | None:
+        return self.front.comm_wait_seconds  # blocked on the outer steps' exchanges
+
+    def info(self) -> dict[str, Any]:
+        topology = self.front.topology
+        return {
+            "topology/rounds": topology.describe(),
+            "topology/period": topology.period,
+            "topology/spectral_gap": topology.spectral_gap(),
+            "local_steps/sync_every": self.options.sync_every,
+            "local_steps/fragments": self.options.fragments,
+        }
+
+    def metrics(self) -> dict[str, Any]:
+        """``outer/step``; at the consensus steps (``logger.consensus_every``, as ``consensus/distance``) the
+        workers' distance at the anchors, their parameters at the last outer step (DiLoCo only: LocalSGD keeps
+        none)."""
+        values: dict[str, Any] = {"outer/step": self.front.outer_steps}
+        every, step = self.consensus_every, self.front.inner_steps
+        anchors = self.front.anchors()
+        if anchors and every > 0 and step % every == 0:
+            probe = ConsensusProbe(anchors, self.consensus_samples, seed=self.seed)  # the parameters' coordinates
+            values["consensus/anchor_distance"], values["consensus/anchor_relative"] = probe.measure()
+        return values
+
+    def _shared_state(self) -> list[Tensor]:
+        """What evaluation averages: the parameters and the floating-point buffers (BatchNorm's statistics)."""
+        buffers = [b for b in self.net.buffers() if b.is_floating_point()]
+        return [p.data for p in self.net.parameters()] + buffers
+
+    @contextlib.contextmanager
+    def averaged(self) -> Iterator[None]:
+        tensors = self._shared_state()
+        saved = [t.clone() for t in tensors]
+        self.front.members.average_tensors_(tensors, "the evaluation's average of the models")
+        try:
+            yield
+        finally:
+            torch._foreach_copy_(tensors, saved)
+
+    def average(self) -> None:
+        self.front.members.average_tensors_(self._shared_state(), "the final average of the models")
+
+
+@register("diloco", traits=AlgorithmTraits(schema=DiLoCoConfig, **_LOCAL_STEPS))
+class DiLoCoAlgorithm(_LocalSteps):
+    """DiLoCo: the outer optimizer (Nesterov SGD) steps from the mixed anchors with the mixed pseudo-gradients."""
+
+    def _build_front(self, cfg: TrainConfig, kwargs: dict[str, Any]) -> local_steps.DiLoCo:
+        options = cfg.algorithm
+        assert isinstance(options, DiLoCoConfig)
+        trainable = [p for p in self.net.parameters() if p.requires_grad]
+        self.outer = torch.optim.SGD(
+            trainable, lr=options.outer_lr, momentum=options.outer_momentum, nesterov=options.nesterov
+        )
+        if options.fragment_update_alpha != 0.0:
+            kwargs["fragment_update_alpha"] = options.fragment_update_alpha
+        return local_steps.DiLoCo(self.net, self.inner, self.outer, options.sync_every, cfg.topology.name, **kwargs)
+
+
+@register("localsgd", traits=AlgorithmTraits(schema=LocalSGDConfig, **_LOCAL_STEPS))
+class LocalSGDAlgorithm(_LocalSteps):
+    """LocalSGD: the parameters are mixed over the topology every ``sync_every`` inner steps."""
+
+    def _build_front(self, cfg: TrainConfig, kwargs: dict[str, Any]) -> local_steps.DiLoCo:
+        return local_steps.LocalSGD(self.net, self.inner, cfg.algorithm.sync_every, cfg.topology.name, **kwargs)
+
