@@ -101,7 +101,7 @@ def test_records_carry_bytes_outer_steps_and_the_anchors_consensus(
 
 # -- exact resume, the averaged model --------------------------------------------------------------------------------
 RESUMED = {
-    "steps": 9, "checkpoint": {"every": 3, "keep": 5}, "logger": {"log_every": 3, "consensus_every": 3},
+    "steps": 9, "checkpoint": {"every": 3, "keep": 5}, "logger": {"log_every": 1, "consensus_every": 3},
     "launch": {"nproc_per_node": 4}, "model": {"name": "cnn", "channels": [4, 8]},  # BatchNorm: buffers averaged too
 }
 VARIANTS = {  # (algorithm, crash after): mid-period; an exchange in flight (started after step 3, due after 4)
@@ -131,11 +131,11 @@ def _measured(run_dir: Path) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("variant", list(VARIANTS.values()), ids=list(VARIANTS))
 def test_a_resumed_run_ends_bit_identical_and_the_saved_model_is_the_average(tmp_path: Path, variant: tuple) -> None:
-    """The straight run evaluates the average every 3 steps, the resumed one only at its end: evaluation puts the
-    workers' own models back exactly, or the two would differ."""
+    """The straight run evaluates the average at steps 4 and 8 too, the resumed one only at its end: evaluation puts
+    the workers' own models back exactly, or the two would differ (a record every step: the same windows)."""
     algorithm, crash, extra = variant
     whole = tmp_path / "whole"
-    _run(make_cfg(whole, **RESUMED, **extra, algorithm=algorithm, eval_every=3), 4)
+    _run(make_cfg(whole, **RESUMED, **extra, algorithm=algorithm, eval_every=4), 4)
     resumed = tmp_path / "resumed"
     _crash_after(resumed, whole, crash)
     assert _run(make_cfg(resumed, **RESUMED, **extra, algorithm=algorithm, eval_every=0), 4)["resumed_from_step"] == crash
@@ -163,7 +163,7 @@ def test_a_resumed_run_ends_bit_identical_and_the_saved_model_is_the_average(tmp
 
 # -- another world size ----------------------------------------------------------------------------------------------
 RESIZED = {"algorithm": {"name": "diloco", "sync_every": 4, "fragments": 2, "fragment_sync_delay": 1},
-           "checkpoint": {"every": 5, "keep": 5}, "eval_every": 0, "steps": 5,
+           "checkpoint": {"every": 5, "keep": 5}, "eval_every": 0, "steps": 5, "scheduler": {"name": "constant"},
            "logger": {"log_every": 5, "consensus_every": 0}}  # step 5: an exchange in flight on every worker
 
 
