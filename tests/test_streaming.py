@@ -195,15 +195,18 @@ def test_bytes_per_inner_step_by_hand() -> None:
     assert int8 == pytest.approx(Int8Compressor().message_bytes(2 * numel) / 3) == pytest.approx((1024 + 16) / 3)
 
 
-def _resumed(rank: int, world_size: int, stop: int, compression: str | None) -> dict[str, list[torch.Tensor]]:
+def _resumed(rank: int, world_size: int, stop: int, compression: str | None,
+             local_sgd: bool) -> dict[str, list[torch.Tensor]]:
     """A streamed run (3 fragments, H=6, τ=1, α=0.5) straight for 14 steps, and stopped after ``stop``, checkpointed
     and resumed in fresh objects."""
 
     def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, DiLoCo]:
         model = make_model(seed=seed)
         inner = _inner(model.parameters())
-        return model, inner, DiLoCo(model, inner, _outer(model.parameters()), 6, "ring", fragments=3,
-                                    fragment_sync_delay=1, fragment_update_alpha=0.5, compression=compression)
+        options = {"fragments": 3, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5, "compression": compression}
+        if local_sgd:
+            return model, inner, LocalSGD(model, inner, 6, "ring", **options)
+        return model, inner, DiLoCo(model, inner, _outer(model.parameters()), 6, "ring", **options)
 
     def run(model: nn.Module, inner: torch.optim.Optimizer, front: DiLoCo, steps: range) -> None:
         with front:
@@ -226,10 +229,11 @@ def _resumed(rank: int, world_size: int, stop: int, compression: str | None) -> 
     return {"straight": straight, "resumed": [p.detach().clone() for p in model.parameters()]}
 
 
-@pytest.mark.parametrize("compression", [None, "int8"])
+@pytest.mark.parametrize("compression, local_sgd", [(None, False), ("int8", False), (None, True)],
+                         ids=["diloco", "diloco-int8", "localsgd"])
 @pytest.mark.parametrize("stop", [5, 6])  # with an exchange in flight (started after step 5 of 6); right after a sync
-def test_a_streamed_run_resumes_bit_identical(stop: int, compression: str | None) -> None:
-    for result in run_workers(_resumed, 4, stop, compression):
+def test_a_streamed_run_resumes_bit_identical(stop: int, compression: str | None, local_sgd: bool) -> None:
+    for result in run_workers(_resumed, 4, stop, compression, local_sgd):
         assert all(torch.equal(a, b) for a, b in zip(result["straight"], result["resumed"]))
 
 

@@ -180,7 +180,8 @@ class DiLoCo:
         if saved != mine:
             raise ValueError(f"the saved anchors have shapes {saved}, this model's parameters {mine}")
         for group, anchors in zip(self.groups, state["anchors"]):
-            torch._foreach_copy_(group.anchors, anchors)
+            if anchors:  # LocalSGD keeps none
+                torch._foreach_copy_(group.anchors, anchors)
         if self.outer is not None and state["outer"] is not None:
             self.outer.load_state_dict(state["outer"])
         self.inner_steps, self.outer_steps = int(state["inner_steps"]), int(state["outer_steps"])
