@@ -137,6 +137,8 @@ def _train(cfg: TrainConfig, run_dir: Path, config_path: Path) -> float:
         what = "phases " + " > ".join(mode for _, mode in cfg.phase_starts())
     else:
         what = f"topology={cfg.topology.name}" if cfg.gossips else "all-reduce"
+        if ALGORITHM_TRAITS[cfg.algorithm.name].local_steps:  # the topology mixes the outer steps
+            what = f"algorithm={cfg.algorithm.name}, sync_every={getattr(cfg.algorithm, 'sync_every')}, {what}"
     if cfg.compression.name != "none":
         what += f", compression={cfg.compression.name}"
         if cfg.compression.copy_dtype != "param":
