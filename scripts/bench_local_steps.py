@@ -11,7 +11,8 @@ Every configuration is one real job of the ``decent-train`` command, ``decent-tr
 evaluations; ``recipes/local_steps/NAME.yaml`` what sets each apart), run one after another inside one network
 namespace whose loopback, the only link the workers use, is limited to ``--rate`` (scripts/benchmark.py's
 ``emulated_network``: a ``tc ... tbf`` token bucket, all workers sharing the link). ``--variant LABEL BASE
-OVERRIDE...`` adds a run of configuration BASE with more overrides (e.g. a tuned outer learning rate).
+OVERRIDE...`` adds a run of configuration BASE with more overrides (e.g. a tuned outer learning rate; an override
+``env:NAME=VALUE`` sets the job's environment instead). A run that fails is a row of the table saying why.
 
 From each run's ``metrics.jsonl``, at every evaluation of the averaged model:
 - bytes sent per worker so far: the sum over records of ``comm/bytes_per_step`` times the steps since the record
@@ -20,8 +21,9 @@ From each run's ``metrics.jsonl``, at every evaluation of the averaged model:
 - training seconds so far: the sum over records of ``time/step_ms`` times those steps (the workers' mean wall time
   per step, without evaluations, which ``time/elapsed_s`` includes and which cost the algorithms differently);
 - ``eval/accuracy`` and ``eval/loss``.
-The target is the reference's (DDP's) final accuracy unless ``--target`` gives one; a run reaches it at its first
-evaluation at or above it. Ratios are to the reference's bytes and seconds to the same target.
+The target is the reference's (DDP's) final accuracy unless ``--target`` gives one (``--metric loss``: its final eval
+loss); a run reaches it at its first evaluation at or above it (loss: at or below). Ratios are to the reference's
+bytes and seconds to the same target.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import signal
 import subprocess
@@ -50,6 +51,12 @@ CONFIGS = ["ddp", "ring", "ring-int8", "diloco-h10-complete", "diloco-h50-comple
            "diloco-h50-ring", "diloco-h10-ring-int8", "localsgd-h10-complete"]
 # What every run adds to the recipe: no progress bar in the captured output, no wandb.
 COMMON = ["logger.progress_bar=false"]
+# --setting tokens: the second, shorter setting. Byte-level language modelling (vocabulary 256) of the Python standard
+# library's source (prepare_bytes), each worker on its own contiguous part of the files (so on its own modules), by a
+# GPT-2-shaped decoder of 2 layers, width 256 (1.6M parameters, 6.5 MB), context 64, batch 16, 300 steps.
+TOKENS = ["model=gpt2", "model.layers=2", "model.heads=4", "model.width=256", "dataset=tokens", "dataset.partition=iid",
+          "dataset.context_length=64", "dataset.vocab_size=256", "batch_size=16", "steps=300", "eval_batch_size=64"]
+TOKEN_CONFIGS = ["ddp", "ring", "diloco-h10-complete", "diloco-h50-complete", "diloco-h10-ring", "diloco-h50-ring"]
 
 
 @dataclass
@@ -81,32 +88,43 @@ def curve(records: Sequence[dict[str, Any]]) -> list[Point]:
     return points
 
 
-def first_at(points: Sequence[Point], target: float) -> Point | None:
-    """The first evaluation at or above ``target`` accuracy; None if none is."""
-    return next((p for p in points if p.accuracy >= target), None)
+def value(point: Point, metric: str) -> float:
+    return point.accuracy if metric == "accuracy" else point.loss
+
+
+def better(a: float, b: float, metric: str) -> bool:
+    """Whether ``a`` is at least as good as ``b``: accuracy at or above, loss at or below."""
+    return a >= b if metric == "accuracy" else a <= b
+
+
+def first_at(points: Sequence[Point], target: float, metric: str = "accuracy") -> Point | None:
+    """The first evaluation at the target or better; None if none is."""
+    return next((p for p in points if better(value(p, metric), target, metric)), None)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def summarize(curves: dict[str, list[Point]], reference: str, target: float | None = None) -> dict[str, Any]:
-    """Per run: final accuracy and loss, against the reference's final accuracy (points); bytes per worker and
-    training seconds in all and to the target, and their ratios to the reference's (to the same target). The target
-    is the reference's final accuracy unless given."""
+def summarize(curves: dict[str, list[Point]], reference: str, target: float | None = None,
+              metric: str = "accuracy") -> dict[str, Any]:
+    """Per run: final accuracy and loss, and the metric against the reference's final (accuracy in points); bytes
+    per worker and training seconds in all and to the target, and their ratios to the reference's (to the same
+    target). The target is the reference's final value of ``metric`` (``accuracy`` or ``loss``) unless given."""
+    scale = 100.0 if metric == "accuracy" else 1.0  # accuracy differences in points
     ref = curves[reference]
-    ref_final = ref[-1].accuracy
+    ref_final = value(ref[-1], metric)
     target = ref_final if target is None else target
-    ref_hit = first_at(ref, target)
+    ref_hit = first_at(ref, target, metric)
     rows = {}
     for name, points in curves.items():
-        final, hit = points[-1], first_at(points, target)
-        best = max(points, key=lambda p: p.accuracy)
+        final, hit = points[-1], first_at(points, target, metric)
+        best = max(points, key=lambda p: value(p, metric) * (1 if metric == "accuracy" else -1))
         rows[name] = {
             "final_accuracy": final.accuracy,
             "final_loss": final.loss,
-            "best_accuracy": best.accuracy,
-            "vs_reference_points": 100 * (final.accuracy - ref_final),
+            "best": value(best, metric),
+            "vs_reference": scale * (value(final, metric) - ref_final),
             "steps": final.step,
             "bytes_per_worker": final.bytes_per_worker,
             "train_s": final.train_s,
@@ -120,9 +138,9 @@ def summarize(curves: dict[str, list[Point]], reference: str, target: float | No
             "bytes_to_target_vs_reference": _ratio(hit.bytes_per_worker, ref_hit.bytes_per_worker)
             if hit and ref_hit else None,
             "train_s_to_target_vs_reference": _ratio(hit.train_s, ref_hit.train_s) if hit and ref_hit else None,
-            "short_of_target_points": None if hit else 100 * (target - best.accuracy),
+            "short_of_target": None if hit else scale * abs(target - value(best, metric)),
         }
-    return {"reference": reference, "reference_final_accuracy": ref_final, "target": target, "rows": rows}
+    return {"reference": reference, "metric": metric, "reference_final": ref_final, "target": target, "rows": rows}
 
 
 def _fmt_bytes(b: float) -> str:
@@ -131,28 +149,33 @@ def _fmt_bytes(b: float) -> str:
 
 def table(summary: dict[str, Any]) -> str:
     """The Markdown table of ``summarize``'s result."""
-    target, ref = summary["target"], summary["reference"]
+    target, ref, metric = summary["target"], summary["reference"], summary.get("metric", "accuracy")
+    fmt = "{:+.1f} pt" if metric == "accuracy" else "{:+.3f}"
     lines = [
-        f"| configuration | final accuracy (vs {ref}) | bytes/worker in all (vs {ref}) | training s in all | "
-        f"to {target:.4f}: step | bytes/worker (x fewer than {ref}) | training s (vs {ref}) |",
+        f"| configuration | final {metric} (vs {ref}) | bytes/worker in all (vs {ref}) | training s in all | "
+        f"to {metric} {target:.4f}: step | bytes/worker (x fewer than {ref}) | training s (vs {ref}) |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, r in summary["rows"].items():
-        head = (f"| {name} | {r['final_accuracy']:.4f} ({r['vs_reference_points']:+.1f} pt) | "
-                f"{_fmt_bytes(r['bytes_per_worker'])} ({r['bytes_vs_reference']:.3f}x) | {r['train_s']:.1f} | ")
+        final = r["final_accuracy"] if metric == "accuracy" else r["final_loss"]
+        head = (f"| {name} | {final:.4f} ({fmt.format(r['vs_reference'])}) | {_fmt_bytes(r['bytes_per_worker'])} "
+                f"({r['bytes_vs_reference']:.3f}x) | {r['train_s']:.1f} | ")
         if r["reached"]:
             fewer = r["bytes_to_target_vs_reference"]
-            fewer_s = f"{1 / fewer:.1f}x" if fewer else "no bytes"
+            fewer_s = f"{1 / fewer:.1f}x" if fewer else "-"
+            ratio = r["train_s_to_target_vs_reference"]
             lines.append(head + f"{r['step_at_target']} | {_fmt_bytes(r['bytes_to_target'])} ({fewer_s}) | "
-                         f"{r['train_s_to_target']:.1f} ({r['train_s_to_target_vs_reference']:.2f}x) |")
+                         f"{r['train_s_to_target']:.1f} ({f'{ratio:.2f}x' if ratio else '-'}) |")
         else:
-            lines.append(head + f"not reached: best {r['best_accuracy']:.4f}, "
-                         f"{r['short_of_target_points']:.1f} pt short | | |")
+            short = fmt.format(r["short_of_target"]).lstrip("+")
+            lines.append(head + f"not reached: best {r['best']:.4f}, {short} short | | |")
+    for name, why in summary.get("failed", {}).items():
+        lines.append(f"| {name} | failed: {why} | | | | | |")
     return "\n".join(lines)
 
 
-def plot(curves: dict[str, list[Point]], title: str, path: Path) -> None:
-    """Eval loss and accuracy against bytes sent per worker (log scale), and accuracy against training seconds;
+def plot(curves: dict[str, list[Point]], title: str, path: Path, metric: str = "accuracy") -> None:
+    """Eval loss and accuracy against bytes sent per worker (log scale), and the metric against training seconds;
     one line per run."""
     import matplotlib
 
@@ -165,7 +188,7 @@ def plot(curves: dict[str, list[Point]], title: str, path: Path) -> None:
         sent = [p for p in points if p.bytes_per_worker > 0]
         axes[0].plot([p.bytes_per_worker / 1e6 for p in sent], [p.loss for p in sent], style, label=name)
         axes[1].plot([p.bytes_per_worker / 1e6 for p in sent], [p.accuracy for p in sent], style, label=name)
-        axes[2].plot([p.train_s for p in points], [p.accuracy for p in points], style, label=name)
+        axes[2].plot([p.train_s for p in points], [value(p, metric) for p in points], style, label=name)
     for ax in axes[:2]:
         ax.set_xscale("log")
         ax.set_xlabel("MB sent per worker")
@@ -173,17 +196,37 @@ def plot(curves: dict[str, list[Point]], title: str, path: Path) -> None:
     axes[0].set_ylabel("eval loss (averaged model)")
     axes[1].set_ylabel("eval accuracy (averaged model)")
     axes[2].set_xlabel("training seconds")
-    axes[2].set_ylabel("eval accuracy (averaged model)")
+    axes[2].set_ylabel(f"eval {metric} (averaged model)")
     lows = [p.accuracy for points in curves.values() for p in points[len(points) // 5:]]
-    for ax in axes[1:]:
-        ax.set_ylim(max(0.0, min(lows) - 0.02), 1.0)
+    for ax in axes[1:] if metric == "accuracy" else axes[1:2]:
+        ax.set_ylim(max(0.0, min(lows) - 0.02), min(1.0, max(p.accuracy for c in curves.values() for p in c) + 0.01))
+    if metric == "loss":
+        axes[2].set_yscale("log")
+    for ax in axes:
         ax.grid(alpha=0.3)
-    axes[0].grid(alpha=0.3)
     axes[2].legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def prepare_bytes(root: Path, val_every: int = 20, val_tokens: int = 1 << 16) -> Path:
+    """``root/train.bin`` and ``val.bin`` (the format of ``dataset=tokens``) from the bytes of this interpreter's
+    standard library modules (``*.py`` at its top level, sorted by name): every ``val_every``-th file is held out for
+    validation (its first ``val_tokens`` bytes), the rest concatenated for training. Nothing is downloaded."""
+    import sysconfig
+
+    import numpy as np
+
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    train = b"".join(f.read_bytes() for i, f in enumerate(files) if i % val_every)
+    val = b"".join(f.read_bytes() for i, f in enumerate(files) if not i % val_every)[:val_tokens]
+    root.mkdir(parents=True, exist_ok=True)
+    for name, data in (("train.bin", train), ("val.bin", val)):
+        np.frombuffer(data, dtype=np.uint8).astype("<u2").tofile(root / name)
+    print(f"tokens: {len(train)} training and {len(val)} validation bytes of {len(files)} modules in {root}")
+    return root
 
 
 def records_of(run_dir: Path) -> list[dict[str, Any]]:
@@ -199,8 +242,10 @@ def run_config(prefix: list[str], recipe: str, label: str, base: str, overrides:
     """One ``decent-train`` job inside ``prefix`` (the emulated network) into ``out/label``; stopped (its process
     group killed) after ``timeout`` seconds."""
     run_dir = out / label
-    command = [*prefix, str(COMMAND), "-cn", recipe, f"+local_steps={base}", *COMMON, *overrides,
-               f"hydra.run.dir={run_dir}"]
+    env = [o.removeprefix("env:") for o in overrides if o.startswith("env:")]  # env:NAME=VALUE: the job's environment
+    hydra = [o for o in overrides if not o.startswith("env:")]
+    command = [*prefix, *(["env", *env] if env else []), str(COMMAND), "-cn", recipe, f"+local_steps={base}", *COMMON,
+               *hydra, f"hydra.run.dir={run_dir}"]
     print(f"$ {' '.join(command)}", flush=True)
     load_before, start = load_average(), time.monotonic()
     log = out / f"{label}.log"
@@ -213,39 +258,48 @@ def run_config(prefix: list[str], recipe: str, label: str, base: str, overrides:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            sys.exit(f"bench_local_steps.py: {label} took over {timeout:g} s and was stopped; its output: {log}")
     wall = time.monotonic() - start
-    if proc.returncode != 0:
-        sys.exit(f"bench_local_steps.py: {label} failed (exit {proc.returncode}):\n{log.read_text()[-3000:]}")
+    run = {"base": base, "overrides": overrides, "command": command, "job_wall_s": wall, "load_before": load_before}
+    if proc.returncode != 0:  # the table says so, and the other configurations still run
+        lines = [line for line in log.read_text().splitlines() if line.strip()]
+        why = f"stopped after {timeout:g} s" if proc.returncode < 0 else (lines[-1] if lines else "no output")
+        print(f"  {label} FAILED (exit {proc.returncode}): {why}; its output: {log}", flush=True)
+        return run | {"failed": why, "load_after": load_average()}
     result = json.loads((run_dir / "result.json").read_text())
     print(f"  {label}: eval/accuracy {result['eval/accuracy']:.4f}, training {result['train_time_s']:.1f} s, "
           f"job {wall:.1f} s; load average before {load_before}, after {load_average()}", flush=True)
-    return {"base": base, "overrides": overrides, "command": command, "job_wall_s": wall,
-            "load_before": load_before, "load_after": load_average(), "samples": result["samples"]}
+    return run | {"load_after": load_average(), "samples": result["samples"]}
+
+
+def describe(run_dir: Path, network: str) -> str:
+    """The plot's title: workers, link, model, data, optimizer and steps, from the run's resolved config."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(run_dir / "resolved_config.yaml")
+    model = cfg.model.name
+    if model == "mlp":
+        model += f" {list(cfg.model.hidden_sizes)}"
+    elif model == "gpt2":
+        model += f" ({cfg.model.layers} layers, width {cfg.model.width})"
+    data = cfg.dataset.name + (f" ({cfg.dataset.partition})" if cfg.dataset.partition != "iid" else "")
+    return f"{cfg.launch.nproc_per_node} workers, {network}: {model} on {data}, {cfg.optim.name}, {cfg.steps} steps"
 
 
 def report(out: Path, runs: dict[str, dict[str, Any]], reference: str, target: float | None, network: str,
-           argv: list[str]) -> dict[str, Any]:
+           argv: list[str], metric: str = "accuracy") -> dict[str, Any]:
     """Read every run's metrics, write ``local_steps.json`` and ``local_steps.png`` into ``out``, print the table."""
-    curves = {label: curve(records_of(out / label)) for label in runs}
+    curves = {label: curve(records_of(out / label)) for label, run in runs.items() if "failed" not in run}
     if reference not in curves:
         sys.exit(f"bench_local_steps.py: the reference {reference!r} is not among the runs ({', '.join(curves)})")
     budgets = {label: r.get("samples") for label, r in runs.items()}
     if len(set(budgets.values())) > 1:
         print(f"warning: the runs trained on different budgets of samples: {budgets}", flush=True)
-    summary = summarize(curves, reference, target)
+    summary = summarize(curves, reference, target, metric)
+    summary["failed"] = {label: run["failed"] for label, run in runs.items() if "failed" in run}
     summary |= {"argv": argv, "network": network, "runs": runs,
                 "curves": {label: [asdict(p) for p in points] for label, points in curves.items()}}
     (out / "local_steps.json").write_text(json.dumps(summary, indent=2))
-    first = out / next(iter(runs)) / "resolved_config.yaml"
-    title = f"4 workers, {network}"
-    if first.is_file():
-        from omegaconf import OmegaConf
-
-        cfg = OmegaConf.load(first)
-        title = (f"{cfg.launch.nproc_per_node} workers, {network}: {cfg.model.name} {list(cfg.model.hidden_sizes)} on "
-                 f"{cfg.dataset.name} ({cfg.dataset.partition}), {cfg.optim.name}, {cfg.steps} steps")
-    plot(curves, title, out / "local_steps.png")
+    plot(curves, describe(out / reference, network), out / "local_steps.png", metric)
     print(table(summary))
     print(f"written: {out / 'local_steps.json'}, {out / 'local_steps.png'}")
     return summary
@@ -253,16 +307,21 @@ def report(out: Path, runs: dict[str, dict[str, Any]], reference: str, target: f
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--configs", default=",".join(CONFIGS),
-                   help=f"comma-separated names of {CONFIG_DIR.relative_to(ROOT)}/NAME.yaml, run in this order")
+    p.add_argument("--setting", choices=("digits", "tokens"), default="digits",
+                   help="digits: the recipe as it is; tokens: byte-level language modelling (see TOKENS), loss")
+    p.add_argument("--configs", default=None,
+                   help=f"comma-separated names of {CONFIG_DIR.relative_to(ROOT)}/NAME.yaml, run in this order "
+                   f"(digits: {','.join(CONFIGS)}; tokens: {','.join(TOKEN_CONFIGS)})")
     p.add_argument("--variant", nargs="+", action="append", default=[], metavar="LABEL BASE OVERRIDE",
                    help="also run configuration BASE with these overrides, labelled LABEL (repeatable)")
     p.add_argument("--recipe", default="local_steps_study", help="what every configuration shares (-cn)")
     p.add_argument("--set", default="", help="space-separated overrides for every run (e.g. steps=200)")
     p.add_argument("--rate", default=None, help="emulated link rate for tc, e.g. 1gbit (needs root)")
     p.add_argument("--delay", default=None, help="with --rate: added one-way delay for netem, e.g. 1ms")
-    p.add_argument("--reference", default="ddp", help="the run whose final accuracy is the target")
-    p.add_argument("--target", type=float, default=None, help="the target accuracy instead of the reference's final")
+    p.add_argument("--reference", default="ddp", help="the run whose final accuracy (or loss) is the target")
+    p.add_argument("--metric", choices=("accuracy", "loss"), default=None,
+                   help="of the averaged model's evaluation (default: accuracy on digits, loss on tokens)")
+    p.add_argument("--target", type=float, default=None, help="the target instead of the reference's final value")
     p.add_argument("--out", type=Path, default=Path("bench/local_steps"))
     p.add_argument("--timeout", type=float, default=1800, help="seconds a run may take before it is stopped")
     p.add_argument("--from", dest="from_dir", type=Path, default=None,
@@ -270,9 +329,12 @@ def main() -> None:
     args = p.parse_args()
     if args.from_dir is not None:
         saved = json.loads((args.from_dir / "local_steps.json").read_text())
-        report(args.from_dir, saved["runs"], args.reference, args.target, saved["network"], saved["argv"])
+        report(args.from_dir, saved["runs"], args.reference, args.target, saved["network"], saved["argv"],
+               args.metric or saved.get("metric", "accuracy"))
         return
 
+    if args.configs is None:
+        args.configs = ",".join(TOKEN_CONFIGS if args.setting == "tokens" else CONFIGS)
     planned: dict[str, tuple[str, list[str]]] = {name: (name, []) for name in args.configs.split(",") if name}
     for variant in args.variant:
         if len(variant) < 2:
@@ -290,6 +352,8 @@ def main() -> None:
     import benchmark  # noqa: E402  (scripts/benchmark.py: the emulated link)
 
     shared = args.set.split()
+    if args.setting == "tokens":
+        shared = [*TOKENS, f"dataset.root={prepare_bytes(args.out.resolve() / 'bytes')}", *shared]
     runs = {}
     with benchmark.emulated_network(args.rate, args.delay) as prefix:
         for label, (base, overrides) in planned.items():
@@ -297,7 +361,8 @@ def main() -> None:
     delay = f", +{args.delay} delay" if args.delay else ""
     network = f"one {args.rate} link shared by all workers{delay}" if args.rate else "loopback (no emulation)"
     print(f"uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}", flush=True)
-    report(args.out, runs, args.reference, args.target, network, sys.argv)
+    report(args.out, runs, args.reference, args.target, network, sys.argv,
+           args.metric or ("loss" if args.setting == "tokens" else "accuracy"))
 
 
 if __name__ == "__main__":

@@ -64,22 +64,22 @@ def synthetic_curves(bench: Any) -> dict[str, list[Any]]:
 
 def test_summary_bytes_and_seconds_to_the_reference_accuracy(bench: Any) -> None:
     summary = bench.summarize(synthetic_curves(bench), "ddp")
-    assert summary["target"] == 0.90 and summary["reference_final_accuracy"] == 0.90
+    assert summary["target"] == 0.90 and summary["reference_final"] == 0.90
     ddp, diloco, ring = (summary["rows"][k] for k in ("ddp", "diloco", "ring"))
     # DDP reaches its own final accuracy at step 20, before the end: its bytes and seconds to it are those of step 20.
     assert (ddp["step_at_target"], ddp["bytes_to_target"], ddp["train_s_to_target"]) == (20, 200.0, 20.0)
-    assert ddp["bytes_to_target_vs_reference"] == 1.0 and ddp["vs_reference_points"] == 0.0
+    assert ddp["bytes_to_target_vs_reference"] == 1.0 and ddp["vs_reference"] == 0.0
     assert (diloco["step_at_target"], diloco["bytes_to_target"], diloco["train_s_to_target"]) == (20, 10.0, 4.0)
     assert diloco["bytes_to_target_vs_reference"] == pytest.approx(10.0 / 200.0)  # 20x fewer
     assert diloco["train_s_to_target_vs_reference"] == pytest.approx(4.0 / 20.0)
-    assert diloco["vs_reference_points"] == pytest.approx(1.0) and diloco["best_accuracy"] == 0.92
+    assert diloco["vs_reference"] == pytest.approx(1.0) and diloco["best"] == 0.92
     assert diloco["bytes_vs_reference"] == pytest.approx(15.0 / 300.0)
     assert diloco["train_s_vs_reference"] == pytest.approx(6.0 / 30.0)
-    assert diloco["short_of_target_points"] is None
+    assert diloco["short_of_target"] is None
     # Not reached: by how much the best evaluation fell short, and nothing to the target.
-    assert not ring["reached"] and ring["short_of_target_points"] == pytest.approx(2.0)
+    assert not ring["reached"] and ring["short_of_target"] == pytest.approx(2.0)
     assert ring["bytes_to_target"] is None and ring["bytes_to_target_vs_reference"] is None
-    assert ring["vs_reference_points"] == pytest.approx(-2.0)
+    assert ring["vs_reference"] == pytest.approx(-2.0)
     text = bench.table(summary)
     assert "| diloco | 0.9100 (+1.0 pt) |" in text and "(20.0x) | 4.0 (0.20x) |" in text
     assert "| ring | 0.8800 (-2.0 pt) |" in text and "not reached: best 0.8800, 2.0 pt short" in text
@@ -88,7 +88,7 @@ def test_summary_bytes_and_seconds_to_the_reference_accuracy(bench: Any) -> None
 def test_summary_with_a_stated_target(bench: Any) -> None:
     summary = bench.summarize(synthetic_curves(bench), "ddp", target=0.85)
     rows = summary["rows"]
-    assert summary["target"] == 0.85 and summary["reference_final_accuracy"] == 0.90
+    assert summary["target"] == 0.85 and summary["reference_final"] == 0.90
     assert rows["ddp"]["step_at_target"] == 20 and rows["ring"]["step_at_target"] == 20
     assert rows["ring"]["bytes_to_target_vs_reference"] == pytest.approx(120.0 / 200.0)
     assert rows["ring"]["train_s_to_target_vs_reference"] == pytest.approx(16.0 / 20.0)
@@ -96,6 +96,22 @@ def test_summary_with_a_stated_target(bench: Any) -> None:
     summary = bench.summarize(synthetic_curves(bench), "ddp", target=0.915)
     assert not summary["rows"]["ddp"]["reached"] and summary["rows"]["diloco"]["bytes_to_target"] == 10.0
     assert summary["rows"]["diloco"]["bytes_to_target_vs_reference"] is None
+
+
+def test_summary_on_the_loss_and_failed_runs(bench: Any) -> None:
+    """--metric loss: the reference's final loss is the target, reached at or below it; a failed run is a row."""
+    summary = bench.summarize(synthetic_curves(bench), "ddp", metric="loss")
+    rows = summary["rows"]
+    assert summary["target"] == 0.2 and summary["metric"] == "loss"
+    assert rows["ddp"]["step_at_target"] == 30 and rows["diloco"]["step_at_target"] == 20
+    assert rows["diloco"]["bytes_to_target_vs_reference"] == pytest.approx(10.0 / 300.0)
+    assert rows["diloco"]["vs_reference"] == pytest.approx(0.05) and rows["diloco"]["best"] == 0.2
+    assert not rows["ring"]["reached"] and rows["ring"]["short_of_target"] == pytest.approx(0.15)
+    summary["failed"] = {"broken": "decent-train: error: worker rank 0 failed"}
+    text = bench.table(summary)
+    assert "| ring | 0.3500 (+0.150) |" in text and "not reached: best 0.3500, 0.150 short" in text
+    assert "| diloco | 0.2500 (+0.050) |" in text and "(30.0x)" in text
+    assert "| broken | failed: decent-train: error: worker rank 0 failed |" in text
 
 
 def test_every_configuration_is_a_recipe_option_and_the_sweep_runs_them_all(bench: Any) -> None:
@@ -112,12 +128,13 @@ def test_the_command_runs_real_jobs_and_its_table_is_their_metrics(tmp_path: Pat
     shrink = "launch.nproc_per_node=2 model.hidden_sizes=[16] steps=6 eval_every=2 logger.log_every=2"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--configs=ddp,ring", f"--set={shrink}", "--target=0.0", f"--out={out}",
-         "--variant", "ring-lr", "ring", "optim.lr=0.01"],
+         "--variant", "ring-lr", "ring", "optim.lr=0.01", "env:DECENT_TRAIN_COMPILED_INT8=never"],
         capture_output=True, text=True, timeout=400,
     )
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert "+local_steps=ddp" in proc.stdout and "+local_steps=ring optim.lr=0.01" not in proc.stdout
     assert f"{shrink} optim.lr=0.01 hydra.run.dir={out / 'ring-lr'}" in proc.stdout
+    assert f"$ env DECENT_TRAIN_COMPILED_INT8=never {bench.COMMAND} -cn local_steps_study +local_steps=ring " in proc.stdout
     summary = json.loads((out / "local_steps.json").read_text())
     assert set(summary["rows"]) == {"ddp", "ring", "ring-lr"} and summary["network"] == "loopback (no emulation)"
     for name in summary["rows"]:
