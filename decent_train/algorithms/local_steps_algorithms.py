@@ -103,17 +103,18 @@ class _LocalSteps(Algorithm):
         raise NotImplementedError
 
     def _front_kwargs(self, cfg: TrainConfig) -> dict[str, Any]:
-        """The front's keywords: the config's, passed only where they differ from the front's defaults."""
-        options = cfg.algorithm
-        kwargs: dict[str, Any] = {"local_world_size": cfg.topology.local_world_size, "timeout": cfg.comm_timeout_s}
-        wanted = {"fragments": (options.fragments, 1), "fragment_sync_delay": (options.fragment_sync_delay, 0)}
-        if cfg.compression.name != "none":
-            wanted |= {
-                "compression": (cfg.compression.name, None),
-                "consensus_step": (cfg.compression.consensus_step, 1.0),
-                "int8_block": (cfg.compression.int8_block, 256),
-            }
-        return kwargs | {key: value for key, (value, default) in wanted.items() if value != default}
+        """The front's keywords shared by both algorithms: the streaming schedule and the outer exchange's
+        compression."""
+        compression = cfg.compression
+        return {
+            "fragments": cfg.algorithm.fragments,
+            "fragment_sync_delay": cfg.algorithm.fragment_sync_delay,
+            "compression": None if compression.name == "none" else compression.name,
+            "consensus_step": compression.consensus_step,
+            "int8_block": compression.int8_block,
+            "local_world_size": cfg.topology.local_world_size,
+            "timeout": cfg.comm_timeout_s,
+        }
 
     @property
     def topology_name(self) -> str | None:
@@ -221,9 +222,8 @@ class DiLoCoAlgorithm(_LocalSteps):
         self.outer = torch.optim.SGD(
             trainable, lr=options.outer_lr, momentum=options.outer_momentum, nesterov=options.nesterov
         )
-        if options.fragment_update_alpha != 0.0:
-            kwargs["fragment_update_alpha"] = options.fragment_update_alpha
-        return local_steps.DiLoCo(self.net, self.inner, self.outer, options.sync_every, cfg.topology.name, **kwargs)
+        return local_steps.DiLoCo(self.net, self.inner, self.outer, options.sync_every, cfg.topology.name,
+                                  fragment_update_alpha=options.fragment_update_alpha, **kwargs)
 
 
 @register("localsgd", traits=AlgorithmTraits(schema=LocalSGDConfig, **_LOCAL_STEPS))
