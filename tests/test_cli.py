@@ -121,6 +121,9 @@ BAD_INPUTS = {
                                           ["sync_every=10 is not a multiple of fragments=3"]),
     "more fragments than tensors": (["algorithm=localsgd", "algorithm.sync_every=20", "algorithm.fragments=10"],
                                     ["algorithm.fragments=10", "8 trainable parameter tensors"]),
+    "option of another algorithm": (["algorithm.sync_every=5"], [
+        "algorithm.sync_every is not a key", "option of algorithm=diloco|localsgd", "++algorithm.sync_every=",
+    ]),
     "allreduce with compression": (["algorithm=allreduce", "compression=int8"], ["compression=int8 compresses gossip"]),
     "phases with diloco": (["algorithm=diloco", "phases=[{algorithm:allreduce,steps:5},{}]"],
                            ["leave algorithm=decentralized (not 'diloco')"]),
@@ -163,3 +166,15 @@ def test_dry_run_prints_topology_and_command(tmp_path: Path) -> None:
     assert f"torchrun --standalone --nproc-per-node=4 --max-restarts=0 --monitor-interval=0.1 -m decent_train.worker {config_path}" in proc.stdout
     assert OmegaConf.load(config_path).topology.name == "one-peer-exp"
     assert not (run_dir / "logs").exists() and not (run_dir / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_a_sweep_over_algorithms_sets_their_options_with_plus_plus(tmp_path: Path) -> None:
+    """``-m algorithm=diloco,localsgd ++algorithm.sync_every=5``: both jobs get the option (the plain override fails,
+    with the hint, in the case above: Hydra composes the sweep's base config with the default algorithm)."""
+    sweep_dir = tmp_path / "sweep"
+    proc = decent_train("-m", "algorithm=diloco,localsgd", "++algorithm.sync_every=5", "dry_run=true",
+                        f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
+    check_succeeded(proc)
+    configs = [load_config(sweep_dir / str(k) / "resolved_config.yaml") for k in range(2)]
+    assert [(c.algorithm.name, c.algorithm.sync_every) for c in configs] == [("diloco", 5), ("localsgd", 5)]

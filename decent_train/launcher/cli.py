@@ -202,13 +202,26 @@ def describe_error(error: BaseException) -> str | None:
         parent = str(cause.full_key).rpartition(".")[0]
         valid = _field_names(cause.object_type)
         where = f"in {parent}" if parent else _LIST_ENTRIES.get(cause.object_type, "at the top level")
-        return f"{cause.full_key} is not a key; valid {where}: {', '.join(valid)}" if valid else str(cause.msg)
+        if not valid:
+            return str(cause.msg)
+        return f"{cause.full_key} is not a key; valid {where}: {', '.join(valid)}{_algorithm_hint(cause.full_key)}"
     if isinstance(cause, OmegaConfBaseException):
         message = str(cause.msg).strip().splitlines()[0]
         return f"{cause.full_key}: {message}" if getattr(cause, "full_key", None) else message
     if isinstance(error, HydraException):
         return str(error).strip().splitlines()[0]
     return None
+
+
+def _algorithm_hint(full_key: str) -> str:
+    """Where ``algorithm.KEY`` is another algorithm's option: which, and ``++`` for a sweep over ``algorithm=`` (Hydra
+    composes the sweep's base config with the default algorithm first, where the option is no key)."""
+    group, _, key = full_key.partition(".")
+    owners = [name for name, traits in ALGORITHM_TRAITS.items() if key in _field_names(traits.schema)]
+    if group != "algorithm" or not owners:
+        return ""
+    return f" ({key} is an option of algorithm={'|'.join(owners)}: choose one, or in a sweep over algorithm= write " \
+           f"++{full_key}=...)"
 
 
 def _field_names(object_type: Any) -> list[str]:
