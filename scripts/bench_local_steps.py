@@ -153,7 +153,7 @@ def table(summary: dict[str, Any]) -> str:
     fmt = "{:+.1f} pt" if metric == "accuracy" else "{:+.3f}"
     lines = [
         f"| configuration | final {metric} (vs {ref}) | bytes/worker in all (vs {ref}) | training s in all | "
-        f"to {metric} {target:.4f}: step | bytes/worker (x fewer than {ref}) | training s (vs {ref}) |",
+        f"to {metric} {target:.4f}: step | bytes/worker (vs {ref}) | training s (vs {ref}) |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, r in summary["rows"].items():
@@ -162,7 +162,7 @@ def table(summary: dict[str, Any]) -> str:
                 f"({r['bytes_vs_reference']:.3f}x) | {r['train_s']:.1f} | ")
         if r["reached"]:
             fewer = r["bytes_to_target_vs_reference"]
-            fewer_s = f"{1 / fewer:.1f}x" if fewer else "-"
+            fewer_s = "-" if not fewer else f"{1 / fewer:.1f}x fewer" if fewer < 1 else f"{fewer:.1f}x more"
             ratio = r["train_s_to_target_vs_reference"]
             lines.append(head + f"{r['step_at_target']} | {_fmt_bytes(r['bytes_to_target'])} ({fewer_s}) | "
                          f"{r['train_s_to_target']:.1f} ({f'{ratio:.2f}x' if ratio else '-'}) |")
@@ -286,8 +286,9 @@ def describe(run_dir: Path, network: str) -> str:
 
 
 def report(out: Path, runs: dict[str, dict[str, Any]], reference: str, target: float | None, network: str,
-           argv: list[str], metric: str = "accuracy") -> dict[str, Any]:
-    """Read every run's metrics, write ``local_steps.json`` and ``local_steps.png`` into ``out``, print the table."""
+           argv: list[str], metric: str = "accuracy", write: bool = True) -> dict[str, Any]:
+    """Read every run's metrics, print the table; ``write``: also ``local_steps.json`` (the summary, every run's
+    command and curve) and ``local_steps.png`` into ``out``."""
     curves = {label: curve(records_of(out / label)) for label, run in runs.items() if "failed" not in run}
     if reference not in curves:
         sys.exit(f"bench_local_steps.py: the reference {reference!r} is not among the runs ({', '.join(curves)})")
@@ -298,10 +299,11 @@ def report(out: Path, runs: dict[str, dict[str, Any]], reference: str, target: f
     summary["failed"] = {label: run["failed"] for label, run in runs.items() if "failed" in run}
     summary |= {"argv": argv, "network": network, "runs": runs,
                 "curves": {label: [asdict(p) for p in points] for label, points in curves.items()}}
-    (out / "local_steps.json").write_text(json.dumps(summary, indent=2))
-    plot(curves, describe(out / reference, network), out / "local_steps.png", metric)
     print(table(summary))
-    print(f"written: {out / 'local_steps.json'}, {out / 'local_steps.png'}")
+    if write:
+        (out / "local_steps.json").write_text(json.dumps(summary, indent=2))
+        plot(curves, describe(out / reference, network), out / "local_steps.png", metric)
+        print(f"written: {out / 'local_steps.json'}, {out / 'local_steps.png'}")
     return summary
 
 
@@ -325,12 +327,13 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("bench/local_steps"))
     p.add_argument("--timeout", type=float, default=1800, help="seconds a run may take before it is stopped")
     p.add_argument("--from", dest="from_dir", type=Path, default=None,
-                   help="no runs: the table and plot again from the local_steps.json of an earlier run's --out")
+                   help="no runs: the table again (any --target, --metric) from the runs of an earlier --out, which "
+                   "keeps its local_steps.json")
     args = p.parse_args()
     if args.from_dir is not None:
         saved = json.loads((args.from_dir / "local_steps.json").read_text())
         report(args.from_dir, saved["runs"], args.reference, args.target, saved["network"], saved["argv"],
-               args.metric or saved.get("metric", "accuracy"))
+               args.metric or saved.get("metric", "accuracy"), write=False)
         return
 
     if args.configs is None:

@@ -81,7 +81,7 @@ def test_summary_bytes_and_seconds_to_the_reference_accuracy(bench: Any) -> None
     assert ring["bytes_to_target"] is None and ring["bytes_to_target_vs_reference"] is None
     assert ring["vs_reference"] == pytest.approx(-2.0)
     text = bench.table(summary)
-    assert "| diloco | 0.9100 (+1.0 pt) |" in text and "(20.0x) | 4.0 (0.20x) |" in text
+    assert "| diloco | 0.9100 (+1.0 pt) |" in text and "(20.0x fewer) | 4.0 (0.20x) |" in text
     assert "| ring | 0.8800 (-2.0 pt) |" in text and "not reached: best 0.8800, 2.0 pt short" in text
 
 
@@ -110,7 +110,7 @@ def test_summary_on_the_loss_and_failed_runs(bench: Any) -> None:
     summary["failed"] = {"broken": "decent-train: error: worker rank 0 failed"}
     text = bench.table(summary)
     assert "| ring | 0.3500 (+0.150) |" in text and "not reached: best 0.3500, 0.150 short" in text
-    assert "| diloco | 0.2500 (+0.050) |" in text and "(30.0x)" in text
+    assert "| diloco | 0.2500 (+0.050) |" in text and "(30.0x fewer)" in text
     assert "| broken | failed: decent-train: error: worker rank 0 failed |" in text
 
 
@@ -157,4 +157,5 @@ def test_the_command_runs_real_jobs_and_its_table_is_their_metrics(tmp_path: Pat
     again = subprocess.run([sys.executable, str(SCRIPT), f"--from={out}", "--target=0.0"], capture_output=True,
                            text=True, timeout=120)
     assert again.returncode == 0, again.stderr
-    assert again.stdout.split("| configuration")[1] == proc.stdout.split("| configuration")[1]
+    assert again.stdout.split("| configuration")[1] == proc.stdout.split("| configuration")[1].split("written:")[0]
+    assert json.loads((out / "local_steps.json").read_text()) == summary  # --from reads, never rewrites
