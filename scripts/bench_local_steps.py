@@ -56,7 +56,8 @@ COMMON = ["logger.progress_bar=false"]
 # GPT-2-shaped decoder of 2 layers, width 256 (1.6M parameters, 6.5 MB), context 64, batch 16, 300 steps.
 TOKENS = ["model=gpt2", "model.layers=2", "model.heads=4", "model.width=256", "dataset=tokens", "dataset.partition=iid",
           "dataset.context_length=64", "dataset.vocab_size=256", "batch_size=16", "steps=300", "eval_batch_size=64"]
-TOKEN_CONFIGS = ["ddp", "ring", "diloco-h10-complete", "diloco-h50-complete", "diloco-h10-ring", "diloco-h50-ring"]
+TOKEN_CONFIGS = ["ddp", "ring", "ring-int8", "diloco-h10-complete", "diloco-h50-complete", "diloco-h10-ring",
+                 "diloco-h50-ring"]
 
 
 @dataclass
@@ -162,7 +163,8 @@ def table(summary: dict[str, Any]) -> str:
                 f"({r['bytes_vs_reference']:.3f}x) | {r['train_s']:.1f} | ")
         if r["reached"]:
             fewer = r["bytes_to_target_vs_reference"]
-            fewer_s = "-" if not fewer else f"{1 / fewer:.1f}x fewer" if fewer < 1 else f"{fewer:.1f}x more"
+            fewer_s = ("-" if not fewer else f"{1 / fewer:.1f}x fewer" if fewer < 1 else f"{fewer:.1f}x more"
+                       if fewer > 1 else "same")
             ratio = r["train_s_to_target_vs_reference"]
             lines.append(head + f"{r['step_at_target']} | {_fmt_bytes(r['bytes_to_target'])} ({fewer_s}) | "
                          f"{r['train_s_to_target']:.1f} ({f'{ratio:.2f}x' if ratio else '-'}) |")
@@ -174,28 +176,37 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(curves: dict[str, list[Point]], title: str, path: Path, metric: str = "accuracy") -> None:
+def plot(curves: dict[str, list[Point]], title: str, path: Path, metric: str = "accuracy",
+         bases: dict[str, str] | None = None) -> None:
     """Eval loss and accuracy against bytes sent per worker (log scale), and the metric against training seconds;
-    one line per run."""
+    one line per run: DDP black, per-step gossip dashed, DiLoCo solid, LocalSGD dash-dotted; a variant (a label
+    other than its configuration, ``bases``) thin."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
-    for name, points in curves.items():
-        style = "--" if name.startswith(("ddp", "ring")) else "-"
+    bases = bases or {}
+    colors = plt.get_cmap("tab20").colors
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
+    for k, (name, points) in enumerate(curves.items()):
+        base = bases.get(name, name)
+        style = {"color": "black" if base == "ddp" else colors[(2 * k) % 20 + (k // 10) % 2],
+                 "linestyle": "-." if base.startswith("localsgd") else "-" if base.startswith(("diloco", "ddp"))
+                 else "--", "linewidth": 1.0 if base != name else 2.2 if base == "ddp" else 1.6,
+                 "alpha": 0.75 if base != name else 1.0, "label": name}
         sent = [p for p in points if p.bytes_per_worker > 0]
-        axes[0].plot([p.bytes_per_worker / 1e6 for p in sent], [p.loss for p in sent], style, label=name)
-        axes[1].plot([p.bytes_per_worker / 1e6 for p in sent], [p.accuracy for p in sent], style, label=name)
-        axes[2].plot([p.train_s for p in points], [value(p, metric) for p in points], style, label=name)
+        axes[0].plot([p.bytes_per_worker / 1e6 for p in sent], [p.loss for p in sent], **style)
+        axes[1].plot([p.bytes_per_worker / 1e6 for p in sent], [p.accuracy for p in sent], **style)
+        axes[2].plot([p.train_s for p in points], [value(p, metric) for p in points], **style)
     for ax in axes[:2]:
         ax.set_xscale("log")
         ax.set_xlabel("MB sent per worker")
     axes[0].set_yscale("log")
     axes[0].set_ylabel("eval loss (averaged model)")
     axes[1].set_ylabel("eval accuracy (averaged model)")
-    axes[2].set_xlabel("training seconds")
+    axes[2].set_xscale("log")
+    axes[2].set_xlabel("training seconds (evaluations excluded)")
     axes[2].set_ylabel(f"eval {metric} (averaged model)")
     lows = [p.accuracy for points in curves.values() for p in points[len(points) // 5:]]
     for ax in axes[1:] if metric == "accuracy" else axes[1:2]:
@@ -204,9 +215,9 @@ def plot(curves: dict[str, list[Point]], title: str, path: Path, metric: str = "
         axes[2].set_yscale("log")
     for ax in axes:
         ax.grid(alpha=0.3)
-    axes[2].legend(fontsize=8)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="center right", fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.885, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -302,7 +313,8 @@ def report(out: Path, runs: dict[str, dict[str, Any]], reference: str, target: f
     print(table(summary))
     if write:
         (out / "local_steps.json").write_text(json.dumps(summary, indent=2))
-        plot(curves, describe(out / reference, network), out / "local_steps.png", metric)
+        plot(curves, describe(out / reference, network), out / "local_steps.png", metric,
+             {label: run["base"] for label, run in runs.items()})
         print(f"written: {out / 'local_steps.json'}, {out / 'local_steps.png'}")
     return summary
 

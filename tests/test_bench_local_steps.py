@@ -159,3 +159,19 @@ def test_the_command_runs_real_jobs_and_its_table_is_their_metrics(tmp_path: Pat
     assert again.returncode == 0, again.stderr
     assert again.stdout.split("| configuration")[1] == proc.stdout.split("| configuration")[1].split("written:")[0]
     assert json.loads((out / "local_steps.json").read_text()) == summary  # --from reads, never rewrites
+
+
+def test_the_token_setting_writes_the_stdlib_bytes_as_tokens(tmp_path: Path, bench: Any) -> None:
+    """--setting tokens: train.bin and val.bin in dataset=tokens' format, every val_every-th module held out."""
+    import sysconfig
+
+    import numpy as np
+
+    root = bench.prepare_bytes(tmp_path / "bytes", val_every=20, val_tokens=1000)
+    train = np.fromfile(root / "train.bin", dtype="<u2")
+    val = np.fromfile(root / "val.bin", dtype="<u2")
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    assert len(val) == 1000 and bytes(val.astype(np.uint8)) == files[0].read_bytes()[:1000]
+    assert bytes(train[:100].astype(np.uint8)) == files[1].read_bytes()[:100]
+    assert len(train) == sum(f.stat().st_size for i, f in enumerate(files) if i % 20)
+    assert train.max() < 256 and "dataset.vocab_size=256" in bench.TOKENS
