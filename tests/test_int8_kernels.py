@@ -36,13 +36,23 @@ def _pair_states(numel: int, dtype: torch.dtype, copy_dtype: torch.dtype | None,
                                                (torch.float32, torch.bfloat16)])
 def test_compiled_kernels_match_the_eager_path(numel: int, dtype: torch.dtype, copy_dtype: torch.dtype | None) -> None:
     # In a worker process: on torch 2.13, compiling starts autograd's threads, and later tests fork.
-    run_workers(_side_by_side, 1, numel, dtype, copy_dtype)
+    run_workers(_side_by_side, 1, numel, dtype, copy_dtype, True)
 
 
-def _side_by_side(rank: int, world_size: int, numel: int, dtype: torch.dtype, copy_dtype: torch.dtype | None) -> None:
+@pytest.mark.parametrize("numel, dtype", [(5000, torch.float32), (4096, torch.float64)])
+def test_compiled_mix_into_another_buffer(numel: int, dtype: torch.dtype) -> None:
+    """The mix written into a buffer other than the parameters (the outer exchange's staged result; the engine mixes
+    in place): the compiled loop once wrote nothing there (inductor drops the write to ``out`` when the levels and
+    scales, views of one message, alias each other and ``out`` does not alias ``x``)."""
+    run_workers(_side_by_side, 1, numel, dtype, None, False)
+
+
+def _side_by_side(rank: int, world_size: int, numel: int, dtype: torch.dtype, copy_dtype: torch.dtype | None,
+                  in_place: bool) -> None:
     """Four rounds of a pair's exchange, eager and compiled side by side from the same state, each worker's parameters
-    moved by noise between rounds. The mix's last adds may round differently (x then differs by units in the last
-    place, and so would every later message): the compiled run continues from the eager run's parameters."""
+    moved by noise between rounds, mixed in place or into another buffer. The mix's last adds may round differently
+    (x then differs by units in the last place, and so would every later message): the compiled run continues from
+    the eager run's parameters."""
     runs = {compiled: _pair_states(numel, dtype, copy_dtype, compiled) for compiled in (False, True)}
     (eager, edge, xs), (compiled, _, compiled_xs) = runs[False], runs[True]
     generator, first = torch.Generator().manual_seed(1), xs[0].clone()
@@ -51,7 +61,9 @@ def _side_by_side(rank: int, world_size: int, numel: int, dtype: torch.dtype, co
             sent = [state.encode(x, edge).clone() for state, x in zip(states, values)]
             for i, state in enumerate(states):
                 state.incoming[0].copy_(sent[1 - i])
-                state.mix(values[i], values[i], edge, [state.incoming[0]], 0.8)
+                out = values[i] if in_place else torch.full_like(values[i], float("nan"))
+                state.mix(values[i], out, edge, [state.incoming[0]], 0.8)
+                values[i].copy_(out)
         for i in range(2):  # what both ends of a pair must agree on, bit for bit: the messages and the copies
             assert torch.equal(eager[i].incoming[0], compiled[i].incoming[0])
             for name in ("own", "others"):

@@ -78,6 +78,12 @@ class Int8Kernels:
 
     def mix_pair_(self, x: Tensor, out: Tensor, own: Tensor, others: Tensor, levels: Tensor, scales: Tensor,
                   pull: float, keep: float) -> None:
+        if out.data_ptr() != x.data_ptr():
+            # Mixed in place only: torch 2.14's inductor drops the compiled loop's write into an ``out`` that does not
+            # alias ``x`` when ``levels`` and ``scales`` (views of one message) alias each other
+            # (tests/test_int8_kernels.py). The outer exchange mixes into its staged buffer, once per outer step.
+            out.copy_(x)
+            x = out
         rows = x.numel() // self.block
         whole = rows * self.block
         if rows:
