@@ -276,39 +276,3 @@ def test_a_script_with_its_own_optimizer_adopts_diloco_with_two_lines() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, final = (float(v) for v in re.search(r"first loss ([\d.]+) final loss ([\d.]+)", proc.stdout).groups())
     assert final < 0.5 * first
-
-
-def _resumed(rank: int, world_size: int, stop: int, total: int) -> dict[str, list[torch.Tensor]]:
-    """Train ``total`` steps straight, and again stopping after ``stop`` steps, checkpointing (model, inner optimizer,
-    front), then resuming in fresh objects: the parameters of both."""
-
-    def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, DiLoCo]:
-        model = make_model(seed=seed)
-        inner = _inner(model.parameters())
-        return model, inner, DiLoCo(model, inner, _outer(model.parameters()), sync_every=2, topology="ring")
-
-    def run(model: nn.Module, inner: torch.optim.Optimizer, front: DiLoCo, steps: range) -> None:
-        with front:
-            for step in steps:
-                loss_fn(model, rank, step).backward()
-                inner.step()
-                inner.zero_grad()
-
-    model, inner, front = build(rank)
-    run(model, inner, front, range(total))
-    straight = _params(model)
-    model, inner, front = build(rank)
-    run(model, inner, front, range(stop))
-    saved = [model.state_dict(), inner.state_dict(), front.state_dict()]
-    model, inner, front = build(100 + rank)  # other weights, fresh optimizers: all from the checkpoint
-    model.load_state_dict(saved[0])
-    inner.load_state_dict(saved[1])
-    front.load_state_dict(saved[2])
-    run(model, inner, front, range(stop, total))
-    return {"straight": straight, "resumed": _params(model)}
-
-
-@pytest.mark.parametrize("stop", [3, 4])  # between outer steps; right after one
-def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(stop: int) -> None:
-    for result in run_workers(_resumed, 4, stop, 9):
-        assert all(torch.equal(a, b) for a, b in zip(result["straight"], result["resumed"]))
