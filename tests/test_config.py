@@ -275,7 +275,9 @@ def test_local_steps_compose_typed_take_compression_and_count_fragments_from_the
         with pytest.raises(ConfigCompositionException) as error:
             compose("train", overrides=["algorithm=localsgd", "algorithm.outer_lr=0.5"])
     assert describe_error(error.value) == (
-        "algorithm.outer_lr is not a key; valid in algorithm: name, sync_every, fragments, fragment_sync_delay"
+        "algorithm.outer_lr is not a key; valid in algorithm: name, sync_every, fragments, fragment_sync_delay "
+        "(outer_lr is an option of algorithm=diloco: choose one, or in a sweep over algorithm= write "
+        "++algorithm.outer_lr=...)"
     )
     preflight(cfg)
     assert cfg.gossips and cfg.compression.name == "int8"
