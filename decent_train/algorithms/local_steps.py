@@ -119,13 +119,13 @@ class DiLoCo:
         self.topology = self.members.topology(topology)
         payload = payload_kind(self.anchored, self.topology, compressor is not None)
         self.fragments: list[Fragment] = []
-        for index, params in enumerate(parts):
+        for params in parts:
             by_kind: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
             for p in params:
                 by_kind.setdefault((p.dtype, p.device), []).append(p)
             first = sum(len(f.groups) for f in self.fragments)  # exchange buffers are numbered across fragments
-            groups = [OuterGroup(first + i, ps, payload, self.anchored) for i, ps in enumerate(by_kind.values())]
-            self.fragments.append(Fragment(index, params, groups))
+            groups = [OuterGroup(first + i, ps, payload) for i, ps in enumerate(by_kind.values())]
+            self.fragments.append(Fragment(groups))
         if compressor is not None:
             mine = [e for r in range(self.topology.period) for e in self.topology.edges(r) if e.size > 1]
             for group in self.groups:

@@ -50,13 +50,13 @@ def payload_kind(anchored: bool, topology: Topology, compressed: bool) -> str:
 class OuterGroup:
     """A fragment's parameters of one dtype and device: their anchors and the exchange buffer of the payload."""
 
-    def __init__(self, index: int, params: list[nn.Parameter], payload: str, anchored: bool):
+    def __init__(self, index: int, params: list[nn.Parameter], payload: str):
         self.params, self.payload = params, payload
         self.numel = sum(p.numel() for p in params)
         first = params[0]
         self.flat = torch.zeros(PAYLOAD_COPIES[payload] * self.numel, dtype=first.dtype, device=first.device)
         self.buffers = ExchangeBuffers(index=index, flat=self.flat, comm=torch.zeros_like(self.flat))
-        self.anchors = [p.detach().clone() for p in params] if anchored else []
+        self.anchors = [p.detach().clone() for p in params] if payload != "x" else []  # LocalSGD's x: none
 
     def compress(self, compressor: Compressor, groups: list[Edge]) -> None:
         """Send compressed differences to public copies, which start at this payload (equal on every worker)."""
@@ -103,11 +103,9 @@ class OuterGroup:
 
 @dataclass
 class Fragment:
-    """Parameters synced together, every ``sync_every`` inner steps; ``syncs`` counts its outer steps (the round
-    index of its next one)."""
+    """Parameters synced together (one group per dtype and device), every ``sync_every`` inner steps; ``syncs``
+    counts its outer steps (the round index of its next one)."""
 
-    index: int
-    params: list[nn.Parameter]
     groups: list[OuterGroup]
     syncs: int = 0
 
