@@ -57,12 +57,12 @@ def _deviation(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) ->
 
 
 def _train(rank: int, world_size: int, topology: str, sync_every: int, local_sgd: bool,
-           steps: int = INNER_STEPS) -> list[torch.Tensor]:
+           steps: int = INNER_STEPS, outer: Callable[[Any], torch.optim.Optimizer] = _outer) -> list[torch.Tensor]:
     """The user's loop with the two lines of the front; worker 0..n-1 start from different seeds (rank 0's wins)."""
     model = make_model(seed=rank)
     inner = _inner(model.parameters())
     front = (LocalSGD(model, inner, sync_every=sync_every, topology=topology) if local_sgd
-             else DiLoCo(model, inner, _outer(model.parameters()), sync_every=sync_every, topology=topology))
+             else DiLoCo(model, inner, outer(model.parameters()), sync_every=sync_every, topology=topology))
     with front:
         for step in range(steps):
             loss_fn(model, rank, step).backward()
@@ -214,18 +214,9 @@ def test_a_compiled_model_with_its_own_scheduler_and_clipping_matches_the_replay
 PER_STEP = 8
 
 
-def _per_step(rank: int, world_size: int, topology: str, local_sgd: bool) -> list[torch.Tensor]:
-    """sync_every=1 through the front: DiLoCo with outer SGD(lr=1, no momentum), or LocalSGD."""
-    model = make_model(seed=rank)
-    inner = _inner(model.parameters())
-    front = (LocalSGD(model, inner, sync_every=1, topology=topology) if local_sgd else
-             DiLoCo(model, inner, torch.optim.SGD(model.parameters(), lr=1.0), sync_every=1, topology=topology))
-    with front:
-        for step in range(PER_STEP):
-            loss_fn(model, rank, step).backward()
-            inner.step()
-            inner.zero_grad()
-    return _params(model)
+def _plain_sgd(params: Any) -> torch.optim.Optimizer:
+    """The outer optimizer that makes per-step DiLoCo the plain mix: SGD(lr=1, no momentum)."""
+    return torch.optim.SGD(params, lr=1.0)
 
 
 def _adapt_then_combine(world_size: int, topology: str, steps: int) -> list[list[torch.Tensor]]:
@@ -260,7 +251,7 @@ def test_per_step_gossip_through_the_front_adapts_then_combines(topology: str, l
     """Acceptance 4, the formula: with sync_every=1 the front computes x <- W(x − U(∇f(x))) (within 1e-9 over 8
     AdamW steps), which on the same data is far (> 1e-3) from the engine's x <- Wx − U(∇f(x)): the replay tells the
     two apart (AdamW's update differs: its weight decay acts on x or on Wx, and every worker's U is its own)."""
-    workers = run_workers(_per_step, 4, topology, local_sgd)
+    workers = run_workers(_train, 4, topology, 1, local_sgd, PER_STEP, _plain_sgd)  # sync_every=1
     assert _deviation(workers, _adapt_then_combine(4, topology, PER_STEP)) <= TOLERANCE
     assert _deviation(workers, _combine_then_adapt(4, topology, PER_STEP)) > WRONG
 
