@@ -3,8 +3,8 @@
 Each worker trains the bare model with its own inner optimizer (``optim=``) and schedule (``scheduler=``); nothing
 communicates in backward. Every ``algorithm.sync_every``-th inner step the front's hook (it runs inside
 ``inner.step()``) makes an outer step over ``topology=`` (``complete``: an all-reduce) with ``compression=`` applied to
-what it sends. DiLoCo's outer optimizer is SGD with ``algorithm.outer_lr``, ``outer_momentum`` and ``nesterov`` (0.2 / 0.9 /
-Nesterov; torchtitan's lr is 0.7, see ``DiLoCoConfig``); LocalSGD averages the parameters instead.
+what it sends. DiLoCo's outer optimizer is SGD with ``algorithm.outer_lr``, ``outer_momentum`` and ``nesterov``
+(0.2 / 0.9 / Nesterov; torchtitan's lr is 0.7, see ``DiLoCoConfig``); LocalSGD averages the parameters instead.
 
 Why the front and not a second implementation: the launcher and a user's own script then run the same update, which
 ``tests/test_local_steps.py`` checks against a float64 replay.
@@ -94,10 +94,13 @@ class _LocalSteps(Algorithm):
         self.scheduler = schedule(self.inner)
         self.options = cfg.algorithm
         self.consensus_every = cfg.logger.consensus_every
-        self.consensus_samples, self.seed = cfg.logger.consensus_samples, cfg.seed
         self._topology_name = cfg.topology.name
         self.front = self._build_front(cfg, self._front_kwargs(cfg))
         self.front.__enter__()  # the hook stays on the inner optimizer for the whole run
+        # The anchors are updated in place, so one probe (the parameters' coordinates, drawn once) serves the run.
+        anchors = self.front.anchors()
+        samples = cfg.logger.consensus_samples
+        self.anchor_consensus = ConsensusProbe(anchors, samples, seed=cfg.seed) if anchors else None
 
     def _build_front(self, cfg: TrainConfig, kwargs: dict[str, Any]) -> local_steps.DiLoCo:
         raise NotImplementedError
@@ -186,10 +189,8 @@ class _LocalSteps(Algorithm):
         none)."""
         values: dict[str, Any] = {"outer/step": self.front.outer_steps}
         every, step = self.consensus_every, self.front.inner_steps
-        anchors = self.front.anchors()
-        if anchors and every > 0 and step % every == 0:
-            probe = ConsensusProbe(anchors, self.consensus_samples, seed=self.seed)  # the parameters' coordinates
-            values["consensus/anchor_distance"], values["consensus/anchor_relative"] = probe.measure()
+        if self.anchor_consensus is not None and every > 0 and step % every == 0:
+            values["consensus/anchor_distance"], values["consensus/anchor_relative"] = self.anchor_consensus.measure()
         return values
 
     def _shared_state(self) -> list[Tensor]:
