@@ -240,10 +240,6 @@ def prepare_bytes(root: Path, val_every: int = 20, val_tokens: int = 1 << 16) ->
     return root
 
 
-def records_of(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
 def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -300,7 +296,9 @@ def report(out: Path, runs: dict[str, dict[str, Any]], reference: str, target: f
            argv: list[str], metric: str = "accuracy", write: bool = True) -> dict[str, Any]:
     """Read every run's metrics, print the table; ``write``: also ``local_steps.json`` (the summary, every run's
     command and curve) and ``local_steps.png`` into ``out``."""
-    curves = {label: curve(records_of(out / label)) for label, run in runs.items() if "failed" not in run}
+    from decent_train.launcher.plot import load_run  # what decent-train-plot reads a run with (torch: not at start)
+
+    curves = {label: curve(load_run(out / label).records) for label, run in runs.items() if "failed" not in run}
     if reference not in curves:
         sys.exit(f"bench_local_steps.py: the reference {reference!r} is not among the runs ({', '.join(curves)})")
     budgets = {label: r.get("samples") for label, r in runs.items()}

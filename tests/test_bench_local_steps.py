@@ -14,6 +14,8 @@ import pytest
 import yaml
 from PIL import Image
 
+from tests.jobs import records
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_local_steps.py"
 
 
@@ -36,14 +38,14 @@ def record(step: int, bytes_per_step: float, step_ms: float, accuracy: float | N
 
 
 def test_curve_sums_bytes_and_seconds_over_the_steps_each_record_covers(bench: Any) -> None:
-    records = [
+    logged = [
         {"info": "not a record"},
         record(10, 1000.0, 20.0),  # no evaluation: counted, not a point
         record(14, 1000.0, 50.0, **{"consensus/distance": 0.1}),  # an odd window (a consensus record)
         record(20, 500.0, 10.0, accuracy=0.5),
         record(30, 2000.0, 100.0, accuracy=0.75),
     ]
-    points = bench.curve(records)
+    points = bench.curve(logged)
     assert [p.step for p in points] == [20, 30]
     assert points[0].bytes_per_worker == 10 * 1000 + 4 * 1000 + 6 * 500
     assert points[1].bytes_per_worker == 17_000 + 10 * 2000
@@ -138,8 +140,7 @@ def test_the_command_runs_real_jobs_and_its_table_is_their_metrics(tmp_path: Pat
     summary = json.loads((out / "local_steps.json").read_text())
     assert set(summary["rows"]) == {"ddp", "ring", "ring-lr"} and summary["network"] == "loopback (no emulation)"
     for name in summary["rows"]:
-        records = bench.records_of(out / name)
-        logged = [r for r in records if "comm/bytes_per_step" in r]
+        logged = [r for r in records(out / name) if "comm/bytes_per_step" in r]
         assert [r["step"] for r in logged] == [2, 4, 6]
         sent = sum(2 * r["comm/bytes_per_step"] for r in logged)
         assert summary["curves"][name][-1]["bytes_per_worker"] == pytest.approx(sent)
