@@ -264,6 +264,32 @@ def node_range(nnodes: Union[int, str]) -> tuple[int, int]:
     return low, high
 
 
+FAULT_TOLERANCE = ("none", "live")
+
+
+@dataclass
+class FaultToleranceConfig:
+    """``conf/fault_tolerance/*.yaml``. ``none``: a failed worker stops every worker (torchrun restarts them all
+    from the newest checkpoint with ``launch.max_restarts``). ``live``: the others go on without it and a
+    replacement heals from a live peer (``training/live.py``; the design: ``decent_train/FAULT_TOLERANCE.md``)."""
+
+    name: str = "none"
+    detect_s: float = 10.0  # a worker silent this long (hung, stopped) is declared dead and killed
+    min_workers: int = 1  # below this many the run stops, with a checkpoint
+
+    def __post_init__(self) -> None:
+        if self.name not in FAULT_TOLERANCE:
+            raise ValueError(f"fault_tolerance={self.name!r}; valid: {', '.join(FAULT_TOLERANCE)}")
+        if self.detect_s <= 0:
+            raise ValueError(f"fault_tolerance.detect_s={self.detect_s} must be > 0 seconds")
+        if self.min_workers < 1:
+            raise ValueError(f"fault_tolerance.min_workers={self.min_workers} must be >= 1")
+
+    @property
+    def live(self) -> bool:
+        return self.name == "live"
+
+
 @dataclass
 class RunInfo:
     """Facts about this job that only Hydra knows, written by the launcher for the workers (which never run Hydra)."""
@@ -322,6 +348,7 @@ class TrainConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     run: RunInfo = field(default_factory=RunInfo)
 
     def __post_init__(self) -> None:
@@ -345,6 +372,8 @@ class TrainConfig:
             self._check_local_steps()
         self._check_model_fits_data()
         self._check_phases()
+        if self.fault_tolerance.live:
+            self._check_live()
 
     def _check_sizes(self) -> None:
         for key in ("batch_size", "accum_steps", "eval_batch_size"):
@@ -377,6 +406,30 @@ class TrainConfig:
             raise ValueError(
                 f"compression.copy_dtype={self.compression.copy_dtype} sets per-step gossip's public copies; "
                 f"algorithm={name}'s outer exchange keeps none: leave compression.copy_dtype=param"
+            )
+
+    def _check_live(self) -> None:
+        """What ``fault_tolerance=live`` runs with in this version (each refusal names the reason)."""
+        ft, launch = self.fault_tolerance, self.launch
+        refusals = [
+            (self.algorithm.name != "decentralized",
+             f"algorithm={self.algorithm.name}: live fault tolerance runs the gossip engine; use "
+             "algorithm=decentralized"),
+            (bool(self.phases), "phases: an all-reduce phase needs every worker; leave phases empty"),
+            (self.global_avg_every > 0, f"global_avg_every={self.global_avg_every}: a global average needs every "
+             "worker; leave it 0"),
+            (launch.device != "cpu", f"launch.device={launch.device}: live membership changes reconfigure gloo "
+             "groups (CPU workers); use launch.device=cpu"),
+            (launch.max_nodes > 1, f"launch.nnodes={launch.nnodes}: live fault tolerance runs the workers of one "
+             "node under one supervisor; use launch.nnodes=1"),
+        ]
+        for refused, why in refusals:
+            if refused:
+                raise ValueError(f"fault_tolerance=live with {why}")
+        if launch.nproc_per_node is not None and ft.min_workers > launch.nproc_per_node:
+            raise ValueError(
+                f"fault_tolerance.min_workers={ft.min_workers} is more than the {launch.nproc_per_node} workers "
+                "launched; valid: 1.." + str(launch.nproc_per_node)
             )
 
     def _check_phases(self) -> None:

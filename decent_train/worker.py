@@ -7,10 +7,12 @@ average of the workers' models, and (rank 0) writes metrics.jsonl, result.json a
 from __future__ import annotations
 
 import gc
+import os
 import sys
 from datetime import timedelta
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from loguru import logger
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
@@ -20,6 +22,7 @@ from decent_train.config import load_config
 from decent_train.engine.comm import peers_must_answer
 from decent_train.runtime import die_with_agent, init_distributed
 from decent_train.training import train
+from decent_train.training.live import STORE_ENV, LiveMembership, connect
 
 
 @record
@@ -31,10 +34,18 @@ def main(argv: list[str] | None = None) -> None:
     config_path = Path(args[0]).resolve()
     cfg = load_config(config_path)
     run_dir = Path(cfg.run.output_dir) if cfg.run.output_dir else config_path.parent
-    device = init_distributed(cfg.launch.device, timedelta(seconds=cfg.pg_timeout_s))
-    setup_worker_logging(run_dir, dist.get_rank(), cfg.logger)
+    live = None
+    if STORE_ENV in os.environ:  # fault_tolerance=live: the launcher's coordinator says who is in the run
+        store, member = connect(timedelta(seconds=cfg.pg_timeout_s))
+        live = LiveMembership(store, member, timedelta(seconds=cfg.comm_timeout_s))
+        live.join()
+        device = torch.device("cpu")
+        setup_worker_logging(run_dir, dist.get_rank(), cfg.logger, name=f"member{member}")
+    else:
+        device = init_distributed(cfg.launch.device, timedelta(seconds=cfg.pg_timeout_s))
+        setup_worker_logging(run_dir, dist.get_rank(), cfg.logger)
     try:
-        train(cfg, run_dir, device)
+        train(cfg, run_dir, device, live=live)
         gc.collect()  # free the engine (its hooks make reference cycles) while its process groups are alive
         with peers_must_answer("the barrier at the end of training"):
             dist.barrier()  # leave together: a peer tearing down gloo while others still talk to it aborts them

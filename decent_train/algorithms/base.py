@@ -107,6 +107,14 @@ class Algorithm(ABC):
     def average(self) -> None:
         """Replace every worker's model by the global average for good (the end of training)."""
 
+    def prepare_membership_change(self) -> None:
+        """Live membership: between steps, before the default group is reconfigured (nothing may be in flight)."""
+        raise NotImplementedError(f"algorithm={self.name} does not support live membership changes")
+
+    def membership_changed(self, topology: str, local_world_size: int) -> None:
+        """Live membership: the default group has new members; go on over ``topology`` built over them."""
+        raise NotImplementedError(f"algorithm={self.name} does not support live membership changes")
+
 
 ALGORITHMS: dict[str, type[Algorithm]] = {}  # the ``algorithm=`` name -> its class
 

@@ -24,8 +24,10 @@ class Decentralized(Algorithm):
     """The decentralized engine over ``cfg.topology`` (or ``cfg.phases``)."""
 
     def __init__(
-        self, net: nn.Module, cfg: TrainConfig, schedule: LRSchedulerFn, scaler: torch.amp.GradScaler, steps_taken: int
+        self, net: nn.Module, cfg: TrainConfig, schedule: LRSchedulerFn, scaler: torch.amp.GradScaler, steps_taken: int,
+        from_rank0: bool = True,
     ) -> None:
+        """``from_rank0=False``: a worker joining a running job (live membership), which loads a peer's state."""
         self.phase_starts = cfg.phase_starts()
         self.phase = self.phase_at(steps_taken)
         self.engine = DecentralizedDataParallel(
@@ -41,6 +43,8 @@ class Decentralized(Algorithm):
             sync_buffer_in_global_avg=True,  # BatchNorm statistics are averaged with the parameters for evaluation
             timeout=cfg.comm_timeout_s,
             global_avg_every=cfg.global_avg_every,
+            fault_tolerant=cfg.fault_tolerance.live,
+            from_rank0=from_rank0,
             **cfg.compression.engine_kwargs(),
         )
         self.model, self.net = self.engine, net
@@ -75,6 +79,13 @@ class Decentralized(Algorithm):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.engine.load_engine_state_dict(state)
+
+    def prepare_membership_change(self) -> None:
+        self.engine.prepare_membership_change()
+
+    def membership_changed(self, topology: str, local_world_size: int) -> None:
+        self.engine.membership_changed(topology, local_world_size)
+        self._topology_name = topology
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         return self.engine.no_sync()

@@ -66,18 +66,24 @@ class LoggerConfig:
             raise ValueError(f"logger.console_level={self.console_level!r} is not a level; valid: {', '.join(LEVELS)}")
 
 
-def setup_worker_logging(run_dir: Path, rank: int, cfg: LoggerConfig) -> None:
-    """Every rank logs everything to ``logs/rank<k>.log``; rank 0 (or every rank) also to the console."""
+def setup_worker_logging(run_dir: Path, rank: int, cfg: LoggerConfig, name: str | None = None) -> None:
+    """Every rank logs everything to ``logs/rank<k>.log`` (or ``logs/<name>.log``); rank 0 (or every rank) also to
+    the console."""
     logger.remove()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    logger.add(run_dir / "logs" / f"rank{rank}.log", level="DEBUG", diagnose=False)
+    logger.add(run_dir / "logs" / f"{name or f'rank{rank}'}.log", level="DEBUG", diagnose=False)
     if rank == 0 or cfg.console_all_ranks:
-        logger.add(
-            lambda message: tqdm.write(message, end="", file=sys.stderr),
-            level=cfg.console_level.upper(),
-            format="<green>{time:HH:mm:ss}</green> | " + ("" if rank == 0 else f"rank {rank} | ") + "<level>{message}</level>",
-            colorize=sys.stderr.isatty(),
-        )
+        log_to_console(cfg, rank)
+
+
+def log_to_console(cfg: LoggerConfig, rank: int = 0) -> None:
+    """This worker's messages to the console too (rank 0's, or every rank's with ``console_all_ranks``)."""
+    logger.add(
+        lambda message: tqdm.write(message, end="", file=sys.stderr),
+        level=cfg.console_level.upper(),
+        format="<green>{time:HH:mm:ss}</green> | " + ("" if rank == 0 else f"rank {rank} | ") + "<level>{message}</level>",
+        colorize=sys.stderr.isatty(),
+    )
 
 
 class MetricLogger:
@@ -92,8 +98,24 @@ class MetricLogger:
             path.write_text("".join(line + "\n" for line in kept))
         self._file: TextIO | None = path.open("a") if path is not None else None
         self._wandb: Any = None
+        self._cfg, self._config = cfg, config
         if path is not None and cfg.wandb.mode != "disabled":
             self._wandb = _start_wandb(cfg.wandb, path.parent, config)
+
+    @property
+    def active(self) -> bool:
+        """Whether this worker writes the records (rank 0's logger)."""
+        return self._file is not None
+
+    def take_over(self, path: Path) -> None:
+        """Become the writer after rank 0 died (live membership): append to ``path`` after the last whole record
+        (rank 0 may have died in the middle of one), and start a wandb run of this worker's own."""
+        if path.exists():
+            text = path.read_text()
+            path.write_text(text[: text.rfind("\n") + 1])
+        self._file = path.open("a")
+        if self._cfg.wandb.mode != "disabled":
+            self._wandb = _start_wandb(self._cfg.wandb, path.parent, self._config)
 
     def log_info(self, info: dict[str, Any]) -> None:
         """Facts about the run known at its start (topology, model and bucket sizes): wandb's config."""

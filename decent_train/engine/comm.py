@@ -119,10 +119,54 @@ class PairPoster:
         """Start ``ops``; what to wait on (each has ``wait(timeout=None)`` like a Work)."""
         if ops[0].tensor.device.type != "cpu":
             return dist.batch_isend_irecv(ops)
+        self._ensure_thread()
+        return [_PostedBatch(self._thread.submit(dist.batch_isend_irecv, ops))]
+
+    def post_each(self, ops: list[dist.P2POp]) -> list[Any]:
+        """Start each of ``ops`` on its own, in order; one wait object per op, so that one peer's failure (posting
+        or completing) leaves the others' ops alone."""
+        if ops[0].tensor.device.type != "cpu":
+            return [_post_op(op) for op in ops]
+        self._ensure_thread()
+        posting = self._thread.submit(lambda: [_post_op(op) for op in ops])
+        return [_PostedOp(posting, i) for i in range(len(ops))]
+
+    def _ensure_thread(self) -> None:
         if self._thread is None or self._pid != os.getpid():  # it ends with the engine or at interpreter exit
             self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="decent_train-p2p")
             self._pid = os.getpid()
-        return [_PostedBatch(self._thread.submit(dist.batch_isend_irecv, ops))]
+
+
+def _post_op(op: dist.P2POp) -> Any:
+    """``op`` started: its work, or the error posting it raised (a closed connection), raised again at its wait."""
+    try:
+        return op.op(op.tensor, op.peer, op.group, op.tag)
+    except RuntimeError as error:
+        return _Failed(error)
+
+
+class _Failed:
+    def __init__(self, error: RuntimeError):
+        self.error = error
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        raise self.error
+
+
+class _PostedOp:
+    """One op of a :meth:`PairPoster.post_each` being posted on the poster's thread."""
+
+    def __init__(self, posting: concurrent.futures.Future[list[Any]], index: int):
+        self._posting, self._index = posting, index
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        seconds = timeout.total_seconds() if timeout is not None else None
+        try:
+            work = self._posting.result(seconds)[self._index]
+        except concurrent.futures.TimeoutError:
+            raise RuntimeError(f"the messages were not posted within {seconds:g} s") from None
+        work.wait() if timeout is None else work.wait(timeout)
+        return True
 
 
 class _PostedBatch:

@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_flatten
 
 from decent_train.engine import state
 from decent_train.engine.buckets import Bucket, build_buckets
-from decent_train.engine.comm import CommWaits, ExchangeError
+from decent_train.engine.comm import CommWaits, ExchangeError, PairPoster
 from decent_train.engine.compress import CompressedGossip, Compressor, check_consensus_step, make_compressor
 from decent_train.engine.exchange import MESSAGE_TAGS, Exchanger
 from decent_train.engine.host_memory import keep_freed_host_memory
@@ -128,6 +128,12 @@ class DecentralizedDataParallel(nn.Module):
             engine/exchange.py): ``"bf16"`` (half the bytes), ``"int8"`` (blockwise, 0.254x) or a compressor object;
             the workers' mean is preserved exactly. None sends float parameters. All-reduce mode is never compressed.
         consensus_step: with compression, the step toward the neighbours' public copies (CHOCO's gamma, in (0, 1]).
+        fault_tolerant: a peer's message that fails (it died) is replaced by this worker's own value instead of
+            raising (its weight stays here; ``missed_messages`` lists them), and every group exchanges by messages,
+            one per peer (exchange.py). For live membership: ``prepare_membership_change`` and
+            ``membership_changed`` around a reconfiguration of the default group. One-stage topologies only.
+        from_rank0: start from rank 0's parameters and buffers (a broadcast, after a check that every worker holds
+            the same model). False for a worker that joins a running job and loads a peer's state instead.
         public_copy_dtype: with compression, the dtype of a pair's public copies (None: the parameters'):
             ``torch.bfloat16`` halves their memory (two per distinct peer of the topology's period); the
             mean stays exact, but the workers then agree only to bfloat16's precision (engine/exchange.py).
@@ -154,6 +160,8 @@ class DecentralizedDataParallel(nn.Module):
         compression: str | Compressor | None = None,
         consensus_step: float = 1.0,
         public_copy_dtype: torch.dtype | None = None,
+        fault_tolerant: bool = False,
+        from_rank0: bool = True,
     ):
         super().__init__()
         check_engine_arguments(
@@ -168,8 +176,10 @@ class DecentralizedDataParallel(nn.Module):
         self._public_copy_dtype = public_copy_dtype
         self._consensus_step = float(consensus_step)
         self._global_avg_every = int(global_avg_every)
+        self._fault_tolerant = fault_tolerant
         self._members = Membership(
-            local_world_size or _local_world_size, timedelta(seconds=timeout) if timeout is not None else None
+            local_world_size or _local_world_size, timedelta(seconds=timeout) if timeout is not None else None,
+            point_to_point=fault_tolerant,
         )
         if dist.is_initialized() and dist.get_backend() == "nccl" and next(model.parameters()).device.type == "cpu":
             model = model.to(torch.device("cuda", torch.cuda.current_device()))
@@ -184,8 +194,9 @@ class DecentralizedDataParallel(nn.Module):
         self._ready_params: set[int] = set()
         self._global_average: _GlobalAverage | None = None
 
-        self._members.check_same_model(self._state_tensors())
-        self._members.broadcast_from_rank0([t.data for _, t in self._state_tensors()])  # all start from rank 0's
+        if from_rank0:
+            self._members.check_same_model(self._state_tensors())
+            self._members.broadcast_from_rank0([t.data for _, t in self._state_tensors()])  # all start from rank 0's
         self._buckets = build_buckets(
             model, optim_fn, lr_scheduler_fn, bucket_size_in_mb * 2**20, param_as_bucket_view,
             compressed=self._compressor is not None,
@@ -197,7 +208,8 @@ class DecentralizedDataParallel(nn.Module):
             (keep_freed_host_memory() for b in self._buckets if b.flat.device.type == "cpu"), "no CPU parameters"
         )
         message_bytes = max(1, int(message_size_in_mb * 2**20)) if message_size_in_mb else 0
-        exchanger = Exchanger(self._members.rank, self._members.exchange_group, message_bytes, self._consensus_step)
+        exchanger = Exchanger(self._members.rank, self._members.exchange_group, message_bytes, self._consensus_step,
+                              point_to_point=fault_tolerant)
         messages = max((len(exchanger.pieces(b.flat)) for b in self._buckets), default=0)
         if messages > MESSAGE_TAGS:
             raise ValueError(
@@ -206,7 +218,7 @@ class DecentralizedDataParallel(nn.Module):
             )
         self._context = ModeContext(
             self._members, exchanger, CommWaits(self._members.timeout), BucketSteps(scaler, grad_clip_norm),
-            self._progress, param_as_bucket_view,
+            self._progress, param_as_bucket_view, fault_tolerant=fault_tolerant,
         )
         for bucket in self._buckets:
             for param in bucket.params:
@@ -225,6 +237,9 @@ class DecentralizedDataParallel(nn.Module):
         if isinstance(topology, str) and topology == ALLREDUCE:
             return AllReduceMode(self._context, start)
         built = self._members.topology(topology)
+        if built.is_staged and self._fault_tolerant:
+            raise ValueError(f"topology '{built.name}' has rounds of several stages; fault_tolerant gossip takes "
+                             "one-stage rounds (ring, complete, one-peer-exp, alternating-exp-ring)")
         if built.is_staged and any(hasattr(b.optimizer, "pre_average_hook") for b in self._buckets):
             raise ValueError(
                 f"topology '{built.name}' has rounds of several stages; an optimizer with decent-dp's "
@@ -382,6 +397,36 @@ class DecentralizedDataParallel(nn.Module):
             self._start_compression(identical=False)
             for bucket in self._buckets:
                 mode.launch(bucket, 0)
+
+    # -- live membership ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prepare_membership_change(self) -> None:
+        """Between steps, before the default group is reconfigured (``fault_tolerant``): complete the exchanges in
+        flight (a dead peer's messages settle as missing) and drop them on every member alike, so that no member
+        mixes what another does not. Every member then relaunches the same values over the new topology."""
+        if self._armed or self._backward_started:
+            raise RuntimeError("prepare_membership_change() between steps only")
+        for bucket in self._buckets:
+            self._context.wait_pending(bucket)
+        self._global_average = None
+
+    @torch.no_grad()
+    def membership_changed(self, topology: TopologySpec, local_world_size: int | None = None) -> None:
+        """After the default group was reconfigured: gossip over ``topology`` built over the new members, its rounds
+        counted from this step; the public copies (compression) start at zero on every member; the next step mixes
+        the exchange launched here."""
+        self._members.refresh(local_world_size)
+        self._context.exchanger.rank = self._members.rank
+        self._context.exchanger.pairs = PairPoster()  # a thread still waiting on a dead peer is left behind
+        self._mode = self._make_mode(topology, start=self._progress.step)
+        self._start_compression(identical=False)
+        for bucket in self._buckets:
+            self._mode.launch(bucket, 0)
+
+    @property
+    def missed_messages(self) -> list[tuple[int, int, int]]:
+        """``fault_tolerant``: each peer's message that never came, as (step, bucket, the peer's rank then)."""
+        return self._context.missed
 
     def _average_optimizer_states(self) -> None:
         """Average every optimizer's floating-point state on the parameters' device (momentum, Adam's moments).

@@ -7,6 +7,10 @@ decides when: mix, optimizer step, launch.
 Full precision: a pair swaps its values by point-to-point send/receive straight from the parameters' memory (on the
 CPU posted from a thread of its own, comm.PairPoster); a group of three or more all-reduces a copy.
 
+Point to point only (``point_to_point``, live fault tolerance): a group of three or more exchanges by messages too,
+one with each other member, so that each peer's message arrives or fails on its own; one that fails (the peer died)
+is replaced by this worker's own value (a compressed one by an empty difference): its weight stays with this worker.
+
 Compression (what a compressed message is and how public copies keep the mean exact) is compress.py's.
 """
 
@@ -23,7 +27,7 @@ from decent_train.engine.comm import PairPoster
 from decent_train.engine.compress import CompressedGossip
 from decent_train.engine.topology import Edge
 
-__all__ = ["ExchangeBuffers", "Exchanger", "MESSAGE_TAGS"]
+__all__ = ["ExchangeBuffers", "Exchanger", "MESSAGE_TAGS", "PeerMessages"]
 
 MESSAGE_TAGS = 1 << 16  # p2p tags per bucket: message i of bucket b is tagged b * MESSAGE_TAGS + i
 
@@ -46,11 +50,31 @@ class ExchangeBuffers:
     comm_anchor: Tensor | None = None
     staged: Tensor | None = None
     compressed: CompressedGossip | None = None
+    group_received: Tensor | None = None  # point to point: the other members' values, a row each (when needed)
 
     def staging(self) -> Tensor:
         if self.staged is None:
             self.staged = torch.empty_like(self.flat)
         return self.staged
+
+    def receiving(self, peers: int) -> Tensor:
+        if self.group_received is None or self.group_received.shape[0] < peers:
+            self.group_received = self.flat.new_empty((peers, self.flat.numel()))
+        return self.group_received[:peers]
+
+
+@dataclass
+class PeerMessages:
+    """Point to point: what one peer's messages are waited on by, and ``slot``, where its message lands."""
+
+    peer: int
+    works: list[Any]
+    slot: Tensor
+
+    def wait(self, timeout: Any = None) -> bool:
+        for work in self.works:
+            work.wait() if timeout is None else work.wait(timeout)
+        return True
 
 
 class Exchanger:
@@ -58,10 +82,14 @@ class Exchanger:
     full precision or as compressed differences (the bucket's ``compressed`` state). Stateless between calls; the
     engine waits on what :meth:`start` returns before :meth:`finish`."""
 
-    def __init__(self, rank: int, group: dist.ProcessGroup | None, message_bytes: int, consensus_step: float):
+    def __init__(
+        self, rank: int, group: dist.ProcessGroup | None, message_bytes: int, consensus_step: float,
+        point_to_point: bool = False,
+    ):
         self.rank, self.group = rank, group  # group: pairs' point-to-point (None: the default group)
         self.message_bytes = message_bytes  # a pair's messages at most this large (0: one per bucket)
         self.consensus_step = consensus_step
+        self.point_to_point = point_to_point  # groups of three or more exchange by messages too (see the module)
         self.pairs = PairPoster()
 
     def start(self, bucket: ExchangeBuffers, edge: Edge, value: Tensor) -> list[Any]:
@@ -71,6 +99,10 @@ class Exchanger:
             return []
         if bucket.compressed is not None:
             return self._start_compressed(bucket, edge, bucket.compressed.encode(value, edge))
+        if self.point_to_point:
+            peers = self._peers(edge)
+            slots = [bucket.comm] if edge.size == 2 else list(bucket.receiving(len(peers)))
+            return self._post_each(bucket, peers, value, slots)
         if edge.size == 2:
             peer = self._peer(edge)
             pieces = zip(self.pieces(value), self.pieces(bucket.comm))
@@ -90,6 +122,10 @@ class Exchanger:
     def _start_compressed(self, bucket: ExchangeBuffers, edge: Edge, message: Tensor) -> list[Any]:
         """A pair swaps messages, a group all-gathers them."""
         incoming = bucket.compressed.incoming
+        if self.point_to_point:
+            peers = self._peers(edge)
+            slots = incoming[:1] if edge.size == 2 else [incoming[edge.ranks.index(p)] for p in peers]
+            return self._post_each(bucket, peers, message, slots)
         if edge.size == 2:
             peer, tag = self._peer(edge), MESSAGE_TAGS * bucket.index
             return self.pairs.post(
@@ -102,6 +138,28 @@ class Exchanger:
 
     def _peer(self, edge: Edge) -> int:
         return edge.ranks[0] if edge.ranks[1] == self.rank else edge.ranks[1]
+
+    def _peers(self, edge: Edge) -> list[int]:
+        return [r for r in edge.ranks if r != self.rank]
+
+    def _post_each(self, bucket: ExchangeBuffers, peers: list[int], value: Tensor, slots: list[Tensor]) -> list[Any]:
+        """Send ``value`` to each peer and receive its message into its slot: receives posted first, then sends, each
+        peer's waited on alone (:class:`PeerMessages`)."""
+        tag = MESSAGE_TAGS * bucket.index
+        receives = [dist.P2POp(dist.irecv, slot, peer, self.group, tag) for peer, slot in zip(peers, slots)]
+        sends = [dist.P2POp(dist.isend, value, peer, self.group, tag) for peer in peers]
+        works = self.pairs.post_each(receives + sends)
+        n = len(peers)
+        return [PeerMessages(peer, [works[i], works[n + i]], slot) for i, (peer, slot) in enumerate(zip(peers, slots))]
+
+    def settle(self, bucket: ExchangeBuffers, edge: Edge, value: Tensor, arrived: list[Any], failed: list[Any]) -> None:
+        """Point to point, once every message was waited on: each failed peer's slot gets this worker's own ``value``
+        (compressed: an empty difference), and a group's values are summed into ``comm`` (what an all-reduce gives)."""
+        for messages in failed:
+            messages.slot.zero_() if bucket.compressed is not None else messages.slot.copy_(value)
+        if bucket.compressed is None and edge.size > 2:
+            torch.sum(bucket.receiving(edge.size - 1), 0, out=bucket.comm)
+            bucket.comm.add_(value)
 
     def received(self, bucket: ExchangeBuffers, edge: Edge) -> list[Tensor]:
         """The compressed messages of the other members of ``edge`` (an all-gather's outputs hold this worker's too)."""

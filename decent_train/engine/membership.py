@@ -31,14 +31,22 @@ class Membership:
     GPU with a time limit a world-wide group that carries it (NCCL's watchdog enforces it; the host never waits).
     """
 
-    def __init__(self, local_world_size: int | None, timeout: timedelta | None):
+    def __init__(self, local_world_size: int | None, timeout: timedelta | None, point_to_point: bool = False):
+        self.local_world_size = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        self.refresh()
+        self.timeout = timeout
+        self.point_to_point = point_to_point  # every group exchanges by messages: topologies need no process groups
+        self.group_timeout: timedelta | None = None  # the engine's own groups' (set by ``create_exchange_group``)
+        self.exchange_group: dist.ProcessGroup | None = None
+
+    def refresh(self, local_world_size: int | None = None) -> None:
+        """Read the members from the default group again (after it was reconfigured: live membership), with
+        ``local_world_size`` workers per node if given; topologies are built anew over them."""
+        if local_world_size is not None:
+            self.local_world_size = local_world_size
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0
         self.world_size = dist.get_world_size() if distributed else 1
-        self.local_world_size = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        self.timeout = timeout
-        self.group_timeout: timedelta | None = None  # the engine's own groups' (set by ``create_exchange_group``)
-        self.exchange_group: dist.ProcessGroup | None = None
         self._topologies: dict[Any, Topology] = {}  # by name, class or id: process groups are created once each
 
     def create_exchange_group(self, device: torch.device) -> None:
@@ -68,7 +76,7 @@ class Membership:
         else:
             cls = spec if isinstance(spec, type) else get_topology_class(spec)
             topology = cls(local_world_size=self.local_world_size, world_size=self.world_size, rank=self.rank)
-        if self.world_size > 1:
+        if self.world_size > 1 and not self.point_to_point:
             timeout = self.group_timeout  # passed only when set: a subclass may override create_groups()
             kwargs = {"timeout": timeout, "world_group": self.exchange_group} if timeout is not None else {}
             topology.create_groups(**kwargs)

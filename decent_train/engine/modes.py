@@ -17,9 +17,11 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.profiler import record_function
 
+from loguru import logger
+
 from decent_train.engine.buckets import Bucket, PendingExchange
 from decent_train.engine.comm import CommWaits, peers_must_answer
-from decent_train.engine.exchange import Exchanger
+from decent_train.engine.exchange import Exchanger, PeerMessages
 from decent_train.engine.membership import Membership
 from decent_train.engine.steps import BucketSteps
 from decent_train.engine.topology import Edge, Topology
@@ -49,6 +51,8 @@ class ModeContext:
     steps: BucketSteps
     progress: Progress
     param_as_bucket_view: bool
+    fault_tolerant: bool = False  # a message that fails is replaced (Exchanger.settle) instead of raising
+    missed: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (step, bucket, peer rank)
 
     def wait_works(self, works: list[Any], bucket: Bucket, ranks: list[int], what: str) -> None:
         def described() -> str:  # formatted only if the wait fails
@@ -63,8 +67,29 @@ class ModeContext:
         exchange, bucket.pending = bucket.pending, None
         if exchange is not None:
             edge = exchange.stages[exchange.async_stage]
-            self.wait_works(exchange.works, bucket, edge.ranks, "exchange")
+            if self.fault_tolerant:
+                self._wait_each(exchange.works, bucket, edge, exchange.value)
+            else:
+                self.wait_works(exchange.works, bucket, edge.ranks, "exchange")
         return exchange
+
+    def _wait_each(self, messages: list[PeerMessages], bucket: Bucket, edge: Edge, value: Tensor) -> None:
+        """Wait for each peer's messages; one that fails (the peer died) is settled as missing, not raised."""
+        arrived, failed = [], []
+        for peer_messages in messages:
+            try:
+                with record_function("decent_train.wait"):
+                    self.waits.wait([peer_messages], bucket.flat.device)
+                arrived.append(peer_messages)
+            except RuntimeError as error:
+                failed.append(peer_messages)
+                step, peer = self.progress.step, peer_messages.peer
+                if not any(p == peer for _, _, p in self.missed):
+                    first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+                    logger.warning(f"rank {self.members.rank}: no message from rank {peer} at step {step} (bucket "
+                                   f"{bucket.index}): {first_line}; its weight stays here until the members change")
+                self.missed.append((step, bucket.index, peer))
+        self.exchanger.settle(bucket, edge, value, arrived, failed)
 
     def complete_pending(self, bucket: Bucket) -> None:
         """Complete an exchange but keep it pending, so its data is still mixed in at the next step."""

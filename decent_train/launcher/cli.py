@@ -47,6 +47,7 @@ from decent_train.launcher.launch import (
     torchrun_command,
 )
 from decent_train.launcher.preflight import preflight
+from decent_train.launcher.supervisor import run_supervised
 
 
 def shipped_dir(name: str) -> str:
@@ -146,10 +147,16 @@ def _train(cfg: TrainConfig, run_dir: Path, config_path: Path) -> float:
     logger.info(f"{_workers(cfg.launch)} workers on {cfg.launch.device}, {what}; outputs in {run_dir}")
     start = time.perf_counter()
     prepare_data(cfg.dataset)  # a download happens once, here, not in every worker
-    launch_workers(cfg.launch, config_path)
+    changes = None
+    if cfg.fault_tolerance.live:
+        changes = run_supervised(cfg, config_path, run_dir)
+    else:
+        launch_workers(cfg.launch, config_path)
     wall = time.perf_counter() - start
     result_path = run_dir / RESULT_FILE
     result = json.loads(result_path.read_text())  # rank 0 wrote it before every worker left (a barrier)
+    if changes is not None:
+        result["membership_changes"] = changes
     if os.environ.get("SLURM_NODEID", "0") == "0":  # on several nodes, one of them completes it
         result["wall_time_s"] = wall
         result_path.write_text(json.dumps(result, indent=2) + "\n")

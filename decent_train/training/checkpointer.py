@@ -25,7 +25,7 @@ class Checkpointer:
         job, cfg = self.job, self.job.cfg
         state = {
             "step": step,
-            "data_position": job.data_start + (step - job.start_step) * cfg.accum_steps,  # micro-batches taken
+            "data_position": job.data_start + (step - job.data_step) * cfg.accum_steps,  # micro-batches taken
             "batch_size": job.batch_size,
             "model": job.algo.net.state_dict(),
             "algorithm": job.algo.state_dict(),

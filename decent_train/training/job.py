@@ -27,5 +27,11 @@ class Job:
     steps_per_epoch: int
     run_dir: Path
     start_step: int  # steps already taken (a resumed run)
-    data_start: int  # micro-batches of this worker's stream already taken (re-sharded when the world size changed)
+    data_start: int  # micro-batches of this worker's stream already taken at ``data_step`` (re-sharded when the world
+    # size changed)
     run_world: int  # the world size the run started with (its epochs are counted in it)
+    data_step: int = -1  # the step ``data_start`` was counted at: ``start_step``, or a live membership change's
+
+    def __post_init__(self) -> None:
+        if self.data_step < 0:
+            self.data_step = self.start_step

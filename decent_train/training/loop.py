@@ -5,32 +5,32 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.distributed as dist
 from loguru import logger
-from torch import nn
+from torch import Tensor, nn
 
 from decent_train.components.metrics import MetricLogger
 from decent_train.training.checkpointer import Checkpointer
 from decent_train.training.evaluator import Evaluator
 from decent_train.training.forward import cross_entropy
 from decent_train.training.job import Job
+from decent_train.training.live_changes import LiveTraining
 from decent_train.training.recorder import Recorder
 
 OnRecord = Callable[[dict[str, Any], nn.Module], None]
 
 
-def train_loop(job: Job, metrics: MetricLogger, on_record: OnRecord | None) -> dict[str, Any]:
-    """Train from ``job.start_step`` to ``job.total_steps``; the run's result (accuracy, losses, throughput)."""
+def train_loop(
+    job: Job, metrics: MetricLogger, on_record: OnRecord | None, live: LiveTraining | None = None
+) -> dict[str, Any]:
+    """Train from ``job.start_step`` to ``job.total_steps``; the run's result (accuracy, losses, throughput).
+    ``live``: the members may change at a step boundary (``fault_tolerance=live``)."""
     cfg, algo, precision = job.cfg, job.algo, job.precision
-    batches = job.data.device_train_batches(
-        job.batch_size, dist.get_rank(), dist.get_world_size(), cfg.seed, start=job.data_start, device=job.device,
-        channels_last=cfg.channels_last,
-    )
     recorder, evaluator, checkpointer = Recorder(job, metrics), Evaluator(job), Checkpointer(job)
-    batches = recorder.timed(batches)
+    batches = _batches(job, recorder)
     for step in range(job.start_step + 1, job.total_steps + 1):
         if algo.begin_step(step - 1):
             logger.info(f"step {step}: phase {algo.phase} ({algo.phase_name}) begins")
@@ -47,6 +47,9 @@ def train_loop(job: Job, metrics: MetricLogger, on_record: OnRecord | None) -> d
         evaluate_now = evaluator.should_evaluate(step)
         record_now = evaluate_now or recorder.should_record(step)
         save_now = checkpointer.should_save(step)
+        if live is not None and live.change_at(step, needs_all=record_now or save_now):
+            live.change(step)
+            batches = _batches(job, recorder)
         if record_now or save_now:
             recorder.check_finite()
         if record_now:
@@ -62,6 +65,15 @@ def train_loop(job: Job, metrics: MetricLogger, on_record: OnRecord | None) -> d
                 checkpointer.save(step)
     recorder.close()
     return _result(job, recorder, evaluator)
+
+
+def _batches(job: Job, recorder: Recorder) -> Iterator[tuple[Tensor, Tensor]]:
+    """This worker's share of the training stream from ``job.data_start`` on (again after a membership change)."""
+    batches = job.data.device_train_batches(
+        job.batch_size, dist.get_rank(), dist.get_world_size(), job.cfg.seed, start=job.data_start,
+        device=job.device, channels_last=job.cfg.channels_last,
+    )
+    return recorder.timed(batches)
 
 
 def _result(job: Job, recorder: Recorder, evaluator: Evaluator) -> dict[str, Any]:

@@ -135,6 +135,7 @@ class Recorder:
             "time/data_ms": 1000 * data_w.mean().item() / steps_in_window,
             "comm/bytes_per_step": bytes_w.mean().item(),
             "memory/peak_gib": memory_w.max().item() / 2**30,
+            "world/members": dist.get_world_size(),
             "time/elapsed_s": time.perf_counter() - self.train_start,
         }
         if cfg.dataset.is_tokens:

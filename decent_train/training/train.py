@@ -23,33 +23,45 @@ from decent_train.components.optim import make_scheduler_fn
 from decent_train.config import METRICS_FILE, MODEL_FILE, RESULT_FILE, TrainConfig
 from decent_train.training.forward import Precision
 from decent_train.training.job import Job
+from decent_train.training.live import LiveMembership, topology_for
+from decent_train.training.live_changes import LiveTraining, seed_joiner
 from decent_train.training.loop import OnRecord, train_loop
 from decent_train.training.recorder import refuse_to_diverge_again
 from decent_train.training.resume import load_checkpoint, restore
 
 
-def train(cfg: TrainConfig, run_dir: Path, device: torch.device, on_record: OnRecord | None = None) -> dict[str, Any]:
+def train(
+    cfg: TrainConfig, run_dir: Path, device: torch.device, on_record: OnRecord | None = None,
+    live: LiveMembership | None = None,
+) -> dict[str, Any]:
     """Train as ``cfg`` says; rank 0 writes the metrics, the result and the averaged model into ``run_dir``.
 
-    ``on_record(record, model)`` runs on every rank after each record is measured (before any evaluation).
+    ``on_record(record, model)`` runs on every rank after each record is measured (before any evaluation). ``live``:
+    the members may change while it trains (``fault_tolerance=live``); a worker joining a running job heals first.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     run_dir.mkdir(parents=True, exist_ok=True)
     refuse_to_diverge_again(run_dir)
-    batch_size = cfg.batch_size_per_worker(world)
+    launched = cfg.launch.world_size if live is not None else world  # live: the batch stays as launched
+    batch_size = cfg.batch_size_per_worker(launched)
     data = build_datasets(cfg.dataset)
     net = _build_net(cfg, data, device)
     torch.manual_seed(cfg.seed + rank)  # dropout and any other randomness differ per worker
 
     algorithm = algorithm_class(cfg.algorithm.name)
-    checkpoint, state = load_checkpoint(cfg, run_dir, algorithm)
+    joining = live is not None and live.joining
+    if joining:  # built over the members now; the donor's state replaces what it starts with
+        seed_joiner(cfg.seed, live.id)
+        name, local = topology_for(cfg.topology.name, world, cfg.topology.local_world_size)
+        cfg = dataclasses.replace(cfg, topology=dataclasses.replace(cfg.topology, name=name, local_world_size=local))
+    checkpoint, state = (None, None) if joining else load_checkpoint(cfg, run_dir, algorithm)
     start_step = checkpoint.step if checkpoint is not None else 0  # this run's own (a restart), or cfg.resume's
     # An epoch, and so the schedule's length, is counted as when the run started, whatever the world size now.
-    run_world = checkpoint.run_world_size if checkpoint is not None else world
+    run_world = checkpoint.run_world_size if checkpoint is not None else launched
     steps_per_epoch, total_steps = _schedule_length(cfg, data, run_world)
     precision = Precision(cfg.precision, device)
     schedule = make_scheduler_fn(cfg.scheduler, total_steps, steps_per_epoch)
-    algo = algorithm(net, cfg, schedule, precision.scaler, start_step)
+    algo = algorithm(net, cfg, schedule, precision.scaler, start_step, **({"from_rank0": False} if joining else {}))
     data_start = start_step * cfg.accum_steps  # micro-batches each worker has taken
     if checkpoint is not None and state is not None:
         data_start = restore(algo, checkpoint, state, cfg, data, batch_size, device)
@@ -61,8 +73,13 @@ def train(cfg: TrainConfig, run_dir: Path, device: torch.device, on_record: OnRe
         run_dir / METRICS_FILE if rank == 0 else None, cfg.logger, dataclasses.asdict(cfg), resumed_step=start_step
     )
     metrics.log_info(info)
+    live_training = LiveTraining(live, job, metrics) if live is not None else None
+    if joining:
+        live_training.join()
+    elif live is not None:
+        live.commit()  # a founder: every member has built its engine (from rank 0's model)
     try:
-        result = train_loop(job, metrics, on_record)
+        result = train_loop(job, metrics, on_record, live_training)
     except BaseException:
         metrics.close(failed=True)
         raise

@@ -1,0 +1,245 @@
+"""``fault_tolerance=live``: the launcher runs the workers itself, one process each, and decides who is in the run.
+
+torchrun's agent restarts every worker when one fails; here the launcher starts each worker as a process of its own,
+hosts the store the workers reconfigure through (so no worker's death takes it down, rank 0's included), and is the
+one coordinator of the membership (no split brain: one writer of plans):
+
+- a worker that exits with an error, or whose heartbeat stops for ``fault_tolerance.detect_s`` (it is then killed,
+  so that a hung worker cannot come back into a run that has gone on without it), is lost; the next plan has the
+  others, and a replacement is started while ``launch.max_restarts`` allows;
+- a replacement that has said hello joins by the next plan, healing from a live member;
+- fewer than ``fault_tolerance.min_workers`` members: a last plan stops the run (the workers save a checkpoint).
+
+The workers' side, and the protocol in full: ``training/live.py`` and ``decent_train/FAULT_TOLERANCE.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from loguru import logger
+
+from decent_train.config import TrainConfig
+from decent_train.launcher.launch import AGENT_PID_ENV, WORKER_MODULE, WorkerFailure, default_threads_per_worker
+from decent_train.training.live import MEMBER_ENV, STORE_ENV, Keys, Plan
+
+POLL_S = 0.02
+
+
+@dataclass
+class _Worker:
+    id: int
+    process: subprocess.Popen[bytes]
+    started: float
+    last_beat: float = 0.0
+    beats: int = 0
+    said_hello: bool = False
+
+
+@dataclass
+class _Change:
+    plan: Plan
+    step: int | None = None  # the change's step, once every survivor reported
+    committed: float | None = None
+
+
+@dataclass
+class Supervisor:
+    """Runs one job's workers under live membership; :meth:`run` returns the membership changes."""
+
+    cfg: TrainConfig
+    config_path: Path
+    run_dir: Path
+    workers: dict[int, _Worker] = field(default_factory=dict)
+    changes: list[_Change] = field(default_factory=list)
+    finished: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.ft, self.launch = self.cfg.fault_tolerance, self.cfg.launch
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=self.cfg.pg_timeout_s))
+        self.restarts_left = self.launch.max_restarts
+        self.next_id = 0
+        self.threads = self.launch.threads_per_worker or default_threads_per_worker(self.launch.nproc_per_node)
+
+    # -- processes ----------------------------------------------------------------------------------------------
+    def _start_worker(self) -> int:
+        member = self.next_id
+        self.next_id += 1
+        env = {
+            **os.environ,
+            STORE_ENV: f"127.0.0.1:{self.store.port}",
+            MEMBER_ENV: str(member),
+            AGENT_PID_ENV: str(os.getpid()),
+            "LOCAL_WORLD_SIZE": str(self.launch.nproc_per_node),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(self.threads)),
+        }
+        process = subprocess.Popen([sys.executable, "-u", "-m", WORKER_MODULE, str(self.config_path)], env=env)
+        self.workers[member] = _Worker(member, process, time.monotonic())
+        return member
+
+    def _stop_all(self) -> None:
+        for worker in self.workers.values():
+            if worker.process.poll() is None:
+                worker.process.kill()
+        for worker in self.workers.values():
+            worker.process.wait()
+
+    # -- the coordinator ----------------------------------------------------------------------------------------
+    @property
+    def plan(self) -> Plan | None:
+        return self.changes[-1].plan if self.changes else None
+
+    def _publish(self, members: list[int], **kwargs: Any) -> Plan:
+        epoch = len(self.changes)
+        plan = Plan(epoch, members, uuid.uuid4().int >> 65, detected_at=time.time(), **kwargs)
+        self.store.set(Keys.plan(epoch), plan.dumps())
+        self.store.add(Keys.EPOCH, 1)  # now epoch + 1: the workers read epoch = value - 1
+        self.changes.append(_Change(plan))
+        return plan
+
+    def run(self) -> list[dict[str, Any]]:
+        """Train to the end; the membership changes (``result.json``'s ``membership_changes``). Raises
+        :class:`WorkerFailure` if the run cannot go on."""
+        for _ in range(self.launch.nproc_per_node):
+            self._start_worker()
+        try:
+            self._wait_for_founders()
+            while not self._step():
+                time.sleep(POLL_S)
+        except BaseException:
+            self._stop_all()
+            raise
+        return self._summary()
+
+    def _wait_for_founders(self) -> None:
+        founders = list(self.workers)
+        while not all(self.store.check([Keys.hello(m)]) for m in founders):
+            for worker in self.workers.values():
+                code = worker.process.poll()
+                if code is not None:
+                    raise WorkerFailure(f"worker {worker.id} failed before training started ({_exit(code)})")
+            time.sleep(POLL_S)
+        now = time.monotonic()
+        for member in founders:
+            self.workers[member].said_hello, self.workers[member].last_beat = True, now
+        self._publish(founders)
+        logger.info(f"live membership: {len(founders)} workers, store 127.0.0.1:{self.store.port}")
+
+    def _step(self) -> bool:
+        """One look at the workers; True when the run is over."""
+        plan = self.plan
+        lost = self._lost(plan)
+        if lost:
+            self._plan_without(plan, lost)
+            return False
+        if all(m in self.finished for m in plan.members):
+            return True
+        change = self.changes[-1]
+        if change.step is None and plan.epoch > 0:
+            self._decide_step(change)
+        if change.committed is None and self.store.add(Keys.commit(plan.epoch), 0) >= len(plan.members):
+            change.committed = time.time()
+            if plan.stop:
+                raise WorkerFailure(
+                    f"fault_tolerance.min_workers={self.ft.min_workers}: {len(plan.members)} worker(s) left at step "
+                    f"{change.step}; the run stopped there with a checkpoint (resume=RUN_DIR continues it)"
+                )
+        joiners = [w.id for w in self.workers.values()
+                   if w.id not in plan.members and w.process.poll() is None and self.store.check([Keys.hello(w.id)])]
+        if joiners and change.committed is not None:
+            for member in joiners:
+                self.workers[member].said_hello, self.workers[member].last_beat = True, time.monotonic()
+            survivors = [m for m in plan.members if m not in self.finished]
+            self._publish(survivors + joiners, joined=joiners, donors={j: survivors[-1] for j in joiners})
+            logger.info(f"epoch {len(self.changes) - 1}: {len(joiners)} worker(s) joining, healing from member "
+                        f"{survivors[-1]}")
+        return False
+
+    def _lost(self, plan: Plan) -> dict[int, str]:
+        """Members (and joiners) that exited with an error or stopped beating: killed, with the reason."""
+        lost: dict[int, str] = {}
+        now = time.monotonic()
+        for worker in self.workers.values():
+            if worker.id in self.finished or any(worker.id in c.plan.lost for c in self.changes):
+                continue
+            code = worker.process.poll()
+            if code == 0:
+                self.finished.add(worker.id)
+                continue
+            if code is not None:
+                lost[worker.id] = _exit(code)
+                continue
+            if not worker.said_hello:
+                continue
+            beats = self.store.add(Keys.beat(worker.id), 0)
+            if beats != worker.beats:
+                worker.beats, worker.last_beat = beats, now
+            elif now - worker.last_beat > self.ft.detect_s:
+                worker.process.kill()  # a hung worker must not come back into the run
+                worker.process.wait()
+                lost[worker.id] = f"no answer for {self.ft.detect_s:g} s"
+        return {m: why for m, why in lost.items() if m in plan.members or self.workers[m].said_hello}
+
+    def _plan_without(self, plan: Plan, lost: dict[int, str]) -> None:
+        survivors = [m for m in plan.members if m not in lost and m not in self.finished]
+        for member, why in lost.items():
+            logger.warning(f"member {member} lost ({why})")
+        stop = len(survivors) < self.ft.min_workers
+        if not survivors:
+            raise WorkerFailure("every worker was lost: " + "; ".join(f"member {m}: {w}" for m, w in lost.items()))
+        self._publish(survivors, lost=lost, stop=stop)
+        for member in lost:
+            if self.restarts_left > 0 and not stop:
+                self.restarts_left -= 1
+                replacement = self._start_worker()
+                logger.info(f"member {member} replaced by member {replacement} (restarts left: {self.restarts_left})")
+
+    def _decide_step(self, change: _Change) -> None:
+        """The change's step: the largest step its survivors stopped at (the ones behind train on to it)."""
+        previous = self.changes[-2].plan.members
+        survivors = [m for m in change.plan.members if m in previous]
+        keys = [Keys.at(change.plan.epoch, m) for m in survivors]
+        if self.store.check(keys):
+            change.step = max(int(self.store.get(key)) for key in keys)
+            self.store.set(Keys.stop(change.plan.epoch), str(change.step))
+
+    def _summary(self) -> list[dict[str, Any]]:
+        summary = []
+        for change in self.changes[1:]:
+            plan = change.plan
+            previous = self.changes[plan.epoch - 1].plan.members
+            record: dict[str, Any] = {
+                "epoch": plan.epoch,
+                "step": change.step,
+                "lost": [{"rank": previous.index(m), "member": m, "why": why} for m, why in plan.lost.items()
+                         if m in previous],
+                "joined": [{"member": m, "donor_rank": previous.index(plan.donors[m])} for m in plan.joined],
+                "members": len(plan.members),
+                "committed": change.committed is not None,
+            }
+            if self.store.check([Keys.record(plan.epoch)]):
+                record |= json.loads(self.store.get(Keys.record(plan.epoch)))
+            summary.append(record)
+        return summary
+
+
+def _exit(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
+def run_supervised(cfg: TrainConfig, config_path: Path, run_dir: Path) -> list[dict[str, Any]]:
+    """Run the job's workers under live membership until they finish; the membership changes."""
+    supervisor = Supervisor(cfg, config_path, run_dir)
+    return supervisor.run()

@@ -1,0 +1,276 @@
+"""Live membership on a worker (``fault_tolerance=live``): the plans of the supervisor's coordinator, carried out at
+step boundaries. The protocol in full, and why: ``decent_train/FAULT_TOLERANCE.md``.
+
+Every membership is an *epoch* with a plan the coordinator writes into its store (it lives in the launcher, which no
+worker failure takes down). A worker heartbeats from a thread of its own and reads the newest epoch there. When a
+newer plan appears, the worker reports the step it stopped at; the coordinator names the largest as the change's
+step ``E``, the workers behind train on to it (their messages from a dead peer settle as missing, engine/modes.py),
+and at ``E`` every member completes and drops its exchange in flight, the default group is reconfigured over the
+plan's members, a donor sends its state to each joiner, all commit, and gossip goes on over the new topology.
+
+Steps whose records, evaluation or checkpoint need every member start with a barrier in the store: nobody runs a
+collective with a member that may be dead, and nobody passes such a step before the others reach it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from loguru import logger
+
+from decent_train.engine import reconfigure
+from decent_train.engine.topology import build_topology
+
+STORE_ENV = "DECENT_TRAIN_STORE"  # host:port of the coordinator's store
+MEMBER_ENV = "DECENT_TRAIN_MEMBER_ID"  # this worker's stable id (never reused in a run)
+HEARTBEAT_S = 0.1  # how often a worker beats and looks for a newer plan
+POLL_S = 0.002
+
+
+class Keys:
+    """The store's keys (the coordinator, launcher/coordinator.py, writes the plans, stops and verdicts)."""
+
+    EPOCH = "epoch"  # a counter: the newest plan's epoch (``add(EPOCH, 0)`` reads it without waiting)
+
+    @staticmethod
+    def plan(epoch: int) -> str:
+        return f"plan/{epoch}"
+
+    @staticmethod
+    def at(epoch: int, member: int) -> str:
+        return f"at/{epoch}/{member}"  # the step a member stopped at for the epoch
+
+    @staticmethod
+    def stop(epoch: int) -> str:
+        return f"stop/{epoch}"  # the change's step: the largest reported
+
+    @staticmethod
+    def commit(epoch: int) -> str:
+        return f"commit/{epoch}"  # a counter of the members done with the change
+
+    @staticmethod
+    def beat(member: int) -> str:
+        return f"beat/{member}"  # a counter: a heartbeat
+
+    @staticmethod
+    def hello(member: int) -> str:
+        return f"hello/{member}"
+
+    @staticmethod
+    def barrier(epoch: int, step: int) -> str:
+        return f"barrier/{epoch}/{step}"
+
+    @staticmethod
+    def record(epoch: int) -> str:
+        return f"record/{epoch}"  # what the change cost, for the coordinator's summary
+
+
+@dataclasses.dataclass
+class Plan:
+    """One epoch's membership, as the coordinator decided it."""
+
+    epoch: int
+    members: list[int]  # stable ids, in rank order
+    uuid: int  # fresh for every epoch (reconfigure refuses a reused one)
+    lost: dict[int, str] = dataclasses.field(default_factory=dict)  # id -> why it was declared dead
+    joined: list[int] = dataclasses.field(default_factory=list)
+    donors: dict[int, int] = dataclasses.field(default_factory=dict)  # joiner id -> the member it heals from
+    stop: bool = False  # fewer than fault_tolerance.min_workers left: save a checkpoint at the change and end
+    detected_at: float = 0.0  # wall time the coordinator learnt of the change
+
+    def dumps(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def loads(cls, text: bytes | str) -> Plan:
+        raw = json.loads(text)
+        raw["lost"] = {int(k): v for k, v in raw["lost"].items()}
+        raw["donors"] = {int(k): v for k, v in raw["donors"].items()}
+        return cls(**raw)
+
+
+class PlanSuperseded(Exception):
+    """A newer plan came while this one was carried out: start over with it, at the same step."""
+
+
+def connect(timeout: timedelta) -> tuple[dist.Store, int]:
+    """The coordinator's store (``DECENT_TRAIN_STORE``) and this worker's id."""
+    host, port = os.environ[STORE_ENV].rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    return store, int(os.environ[MEMBER_ENV])
+
+
+class LiveMembership:
+    """This worker's side of the coordinator's plans; ``changes`` lists what each change did and cost."""
+
+    def __init__(self, store: dist.Store, member_id: int, timeout: timedelta):
+        self.store, self.id, self.timeout = store, member_id, timeout
+        self.plan: Plan | None = None  # the epoch this worker is in
+        self.changes: list[dict[str, Any]] = []
+        self._newest = -1  # the newest epoch the heartbeat thread saw
+        self._stop_at: tuple[int, int] | None = None  # (epoch, step) this worker stops at for a newer plan
+        host, port = os.environ[STORE_ENV].rsplit(":", 1)
+        self._beat_store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)  # the thread's own
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._heartbeat, name="decent_train-heartbeat", daemon=True)
+        self._thread.start()
+
+    # -- the thread ---------------------------------------------------------------------------------------------
+    def _heartbeat(self) -> None:
+        while not self._stopping.wait(HEARTBEAT_S):
+            try:
+                self._beat_store.add(Keys.beat(self.id), 1)
+                self._newest = self._beat_store.add(Keys.EPOCH, 0) - 1
+            except (RuntimeError, dist.DistError):  # the store went away: the launcher ended
+                return
+
+    def close(self) -> None:
+        self._stopping.set()
+
+    def newer_plan(self) -> bool:
+        return self.plan is None or self._newest > self.plan.epoch
+
+    def _latest_plan(self) -> Plan:
+        epoch = self.store.add(Keys.EPOCH, 0) - 1
+        self._newest = max(self._newest, epoch)
+        return Plan.loads(self.store.get(Keys.plan(epoch)))
+
+    # -- joining ------------------------------------------------------------------------------------------------
+    def join(self) -> Plan:
+        """Start the reconfigurable group, announce this worker, and :meth:`enter` the first plan that has it."""
+        reconfigure.join(self.store, self.id, self.timeout)
+        self.store.set(Keys.hello(self.id), str(time.time()))
+        return self.enter()
+
+    def enter(self) -> Plan:
+        """Wait for the newest plan to have this worker and reconfigure into it (not committed: a joiner commits
+        once healed, a founder at once)."""
+        while True:
+            plan = self._wait_for_plan(lambda p: self.id in p.members)
+            if reconfigure.reconfigure(self.store, plan.epoch, plan.uuid, plan.members, self.id, self.timeout,
+                                       abandon=lambda: self._newest > plan.epoch):
+                self.plan = plan
+                return plan
+
+    @property
+    def joining(self) -> bool:
+        """This worker joined a running job: it heals from a donor before it trains."""
+        return self.plan is not None and self.id in self.plan.joined
+
+    def _wait_for_plan(self, wanted: Callable[[Plan], bool]) -> Plan:
+        while True:
+            if self.store.add(Keys.EPOCH, 0) > 0:
+                plan = self._latest_plan()
+                if wanted(plan):
+                    return plan
+            time.sleep(POLL_S * 10)
+
+    def commit(self) -> None:
+        """Done with the change: wait for every member to be (raises PlanSuperseded if a newer plan comes)."""
+        plan = self.plan
+        self.store.add(Keys.commit(plan.epoch), 1)
+        self._wait_count(Keys.commit(plan.epoch), len(plan.members))
+
+    def _wait_count(self, key: str, count: int) -> None:
+        while self.store.add(key, 0) < count:
+            if self.newer_plan():
+                raise PlanSuperseded
+            time.sleep(POLL_S)
+
+    # -- at step boundaries -------------------------------------------------------------------------------------
+    def change_at(self, step: int, needs_all: bool) -> bool:
+        """Whether the members change now, after ``step`` steps. ``needs_all``: the step's records, evaluation or
+        checkpoint are collectives over every member, so first a barrier (which a newer plan breaks)."""
+        if self.newer_plan():
+            return self._stop_step(step) == step
+        if self._stop_at is not None:
+            return False
+        if needs_all:
+            key = Keys.barrier(self.plan.epoch, step)
+            self.store.add(key, 1)
+            try:
+                self._wait_count(key, len(self.plan.members))
+            except PlanSuperseded:
+                return self._stop_step(step) == step
+        return False
+
+    def _stop_step(self, step: int) -> int:
+        """Report ``step`` for the newest plan and get the change's step (the largest reported; the workers behind
+        train on to it)."""
+        while True:
+            plan = self._latest_plan()
+            if self._stop_at is None or self._stop_at[0] != plan.epoch:
+                self.store.set(Keys.at(plan.epoch, self.id), str(step))
+                self._stop_at = (plan.epoch, -1)
+            if self.id not in plan.members:  # declared dead (it was hung): the coordinator kills it
+                raise SystemExit(f"member {self.id} was declared dead by the coordinator at epoch {plan.epoch}")
+            try:
+                self.store.wait([Keys.stop(plan.epoch)], timedelta(milliseconds=50))
+            except (RuntimeError, dist.DistError):
+                continue  # not decided yet, or a newer plan: look again
+            stop = int(self.store.get(Keys.stop(plan.epoch)))
+            if stop < step:
+                raise RuntimeError(f"member {self.id} is at step {step}, past the change's step {stop}")
+            self._stop_at = (plan.epoch, stop)
+            return stop
+
+    def reconfigure(self) -> Plan:
+        """At the change's step: the default group becomes the newest plan's members (PlanSuperseded if a newer
+        plan comes first)."""
+        plan = self._latest_plan()
+        if not reconfigure.reconfigure(self.store, plan.epoch, plan.uuid, plan.members, self.id, self.timeout,
+                                       abandon=lambda: self._newest > plan.epoch):
+            raise PlanSuperseded
+        self.plan, self._stop_at = plan, None
+        return plan
+
+    def wait_for_newer_plan(self) -> None:
+        """A peer failed during the change: the coordinator will plan without it."""
+        while not self.newer_plan():
+            time.sleep(POLL_S)
+        raise PlanSuperseded
+
+
+def send_state(state: dict[str, Any], rank: int) -> int:
+    """``state`` to ``rank`` over the default group (its size first); the bytes sent."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+    dist.send(torch.tensor([payload.numel()], dtype=torch.int64), rank)
+    dist.send(payload, rank)
+    return payload.numel()
+
+
+def receive_state(rank: int) -> tuple[dict[str, Any], int]:
+    """What :func:`send_state` sent from ``rank``, and its size in bytes."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, rank)
+    payload = torch.empty(int(size), dtype=torch.uint8)
+    dist.recv(payload, rank)
+    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False), int(size)
+
+
+def rank_of(plan: Plan, member: int) -> int:
+    return plan.members.index(member)
+
+
+def topology_for(name: str, world_size: int, local_world_size: int | None) -> tuple[str, int]:
+    """The topology gossiped over ``world_size`` members of one node: ``name`` if it serves that many, else ring;
+    and the workers per node it is laid out with."""
+    local = world_size if local_world_size is None or local_world_size >= world_size else local_world_size
+    try:
+        build_topology(name, world_size, local)
+    except ValueError as error:
+        logger.warning(f"topology {name} cannot serve {world_size} workers ({error}); gossiping over ring")
+        return "ring", world_size
+    return name, local
