@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> None:
         ErrorHandler().record_exception(error)
         sys.exit(1)
     finally:
+        if live is not None:
+            live.close()
         dist.destroy_process_group()
     logger.complete()  # everything is written and the process group is gone; the interpreter exits as usual
 

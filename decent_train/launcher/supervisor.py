@@ -35,6 +35,7 @@ from decent_train.launcher.launch import AGENT_PID_ENV, WORKER_MODULE, WorkerFai
 from decent_train.training.live import MEMBER_ENV, STORE_ENV, Keys, Plan
 
 POLL_S = 0.02
+WORKERS_FILE = "workers.json"  # member id -> pid of every worker process started
 
 
 @dataclass
@@ -50,7 +51,6 @@ class _Worker:
 @dataclass
 class _Change:
     plan: Plan
-    step: int | None = None  # the change's step, once every survivor reported
     committed: float | None = None
 
 
@@ -87,6 +87,8 @@ class Supervisor:
         }
         process = subprocess.Popen([sys.executable, "-u", "-m", WORKER_MODULE, str(self.config_path)], env=env)
         self.workers[member] = _Worker(member, process, time.monotonic())
+        pids = {w.id: w.process.pid for w in self.workers.values()}
+        (self.run_dir / WORKERS_FILE).write_text(json.dumps(pids) + "\n")  # who to kill, for chaos tests
         return member
 
     def _stop_all(self) -> None:
@@ -141,20 +143,23 @@ class Supervisor:
         """One look at the workers; True when the run is over."""
         plan = self.plan
         lost = self._lost(plan)
+        if lost and self.finished:  # training is over (a member finished): nothing to plan for
+            logger.warning(f"after the end of training: {lost}")
+            for member in lost:
+                plan.lost.setdefault(member, lost[member])
+            return all(m in self.finished or m in lost for m in plan.members)
         if lost:
             self._plan_without(plan, lost)
             return False
         if all(m in self.finished for m in plan.members):
             return True
         change = self.changes[-1]
-        if change.step is None and plan.epoch > 0:
-            self._decide_step(change)
         if change.committed is None and self.store.add(Keys.commit(plan.epoch), 0) >= len(plan.members):
             change.committed = time.time()
             if plan.stop:
                 raise WorkerFailure(
-                    f"fault_tolerance.min_workers={self.ft.min_workers}: {len(plan.members)} worker(s) left at step "
-                    f"{change.step}; the run stopped there with a checkpoint (resume=RUN_DIR continues it)"
+                    f"fault_tolerance.min_workers={self.ft.min_workers}: {len(plan.members)} worker(s) left; the run "
+                    "stopped with a checkpoint (resume=RUN_DIR continues it)"
                 )
         joiners = [w.id for w in self.workers.values()
                    if w.id not in plan.members and w.process.poll() is None and self.store.check([Keys.hello(w.id)])]
@@ -206,15 +211,6 @@ class Supervisor:
                 replacement = self._start_worker()
                 logger.info(f"member {member} replaced by member {replacement} (restarts left: {self.restarts_left})")
 
-    def _decide_step(self, change: _Change) -> None:
-        """The change's step: the largest step its survivors stopped at (the ones behind train on to it)."""
-        previous = self.changes[-2].plan.members
-        survivors = [m for m in change.plan.members if m in previous]
-        keys = [Keys.at(change.plan.epoch, m) for m in survivors]
-        if self.store.check(keys):
-            change.step = max(int(self.store.get(key)) for key in keys)
-            self.store.set(Keys.stop(change.plan.epoch), str(change.step))
-
     def _summary(self) -> list[dict[str, Any]]:
         summary = []
         for change in self.changes[1:]:
@@ -222,7 +218,6 @@ class Supervisor:
             previous = self.changes[plan.epoch - 1].plan.members
             record: dict[str, Any] = {
                 "epoch": plan.epoch,
-                "step": change.step,
                 "lost": [{"rank": previous.index(m), "member": m, "why": why} for m, why in plan.lost.items()
                          if m in previous],
                 "joined": [{"member": m, "donor_rank": previous.index(plan.donors[m])} for m in plan.joined],

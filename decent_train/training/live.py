@@ -29,7 +29,6 @@ import torch.distributed as dist
 from loguru import logger
 
 from decent_train.engine import reconfigure
-from decent_train.engine.topology import build_topology
 
 STORE_ENV = "DECENT_TRAIN_STORE"  # host:port of the coordinator's store
 MEMBER_ENV = "DECENT_TRAIN_MEMBER_ID"  # this worker's stable id (never reused in a run)
@@ -47,14 +46,6 @@ class Keys:
         return f"plan/{epoch}"
 
     @staticmethod
-    def at(epoch: int, member: int) -> str:
-        return f"at/{epoch}/{member}"  # the step a member stopped at for the epoch
-
-    @staticmethod
-    def stop(epoch: int) -> str:
-        return f"stop/{epoch}"  # the change's step: the largest reported
-
-    @staticmethod
     def commit(epoch: int) -> str:
         return f"commit/{epoch}"  # a counter of the members done with the change
 
@@ -69,6 +60,10 @@ class Keys:
     @staticmethod
     def barrier(epoch: int, step: int) -> str:
         return f"barrier/{epoch}/{step}"
+
+    @staticmethod
+    def heal(epoch: int) -> str:
+        return f"heal/{epoch}"  # what healing the epoch's joiners cost (the donor's measurement)
 
     @staticmethod
     def record(epoch: int) -> str:
@@ -118,7 +113,6 @@ class LiveMembership:
         self.plan: Plan | None = None  # the epoch this worker is in
         self.changes: list[dict[str, Any]] = []
         self._newest = -1  # the newest epoch the heartbeat thread saw
-        self._stop_at: tuple[int, int] | None = None  # (epoch, step) this worker stops at for a newer plan
         host, port = os.environ[STORE_ENV].rsplit(":", 1)
         self._beat_store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)  # the thread's own
         self._stopping = threading.Event()
@@ -135,7 +129,9 @@ class LiveMembership:
                 return
 
     def close(self) -> None:
+        """Stop the heartbeat before the interpreter ends (a daemon thread inside a store call then would abort it)."""
         self._stopping.set()
+        self._thread.join()
 
     def newer_plan(self) -> bool:
         return self.plan is None or self._newest > self.plan.epoch
@@ -189,40 +185,26 @@ class LiveMembership:
 
     # -- at step boundaries -------------------------------------------------------------------------------------
     def change_at(self, step: int, needs_all: bool) -> bool:
-        """Whether the members change now, after ``step`` steps. ``needs_all``: the step's records, evaluation or
-        checkpoint are collectives over every member, so first a barrier (which a newer plan breaks)."""
-        if self.newer_plan():
-            return self._stop_step(step) == step
-        if self._stop_at is not None:
+        """Whether the members change after ``step``. Only a step whose records, evaluation or checkpoint are
+        collectives over every member (``needs_all``) may change them: there the members meet in a barrier in the
+        store, and one verdict, the first proposed, says whether they change at this step. The last member to
+        arrive proposes a change if a newer plan is out; a member waiting for one the newer plan declared dead
+        proposes it too (the dead one never arrives, and nobody passes the step without it)."""
+        if not needs_all:
             return False
-        if needs_all:
-            key = Keys.barrier(self.plan.epoch, step)
-            self.store.add(key, 1)
-            try:
-                self._wait_count(key, len(self.plan.members))
-            except PlanSuperseded:
-                return self._stop_step(step) == step
-        return False
+        plan = self.plan
+        key = Keys.barrier(plan.epoch, step)
+        verdict = f"{key}/verdict"
+        if self.store.add(key, 1) == len(plan.members):
+            self._propose(verdict, self._latest_plan().epoch > plan.epoch)
+        while not self.store.check([verdict]):
+            if self.newer_plan() and set(plan.members) - set(self._latest_plan().members):
+                self._propose(verdict, True)
+            time.sleep(POLL_S)
+        return self.store.get(verdict) == b"change"
 
-    def _stop_step(self, step: int) -> int:
-        """Report ``step`` for the newest plan and get the change's step (the largest reported; the workers behind
-        train on to it)."""
-        while True:
-            plan = self._latest_plan()
-            if self._stop_at is None or self._stop_at[0] != plan.epoch:
-                self.store.set(Keys.at(plan.epoch, self.id), str(step))
-                self._stop_at = (plan.epoch, -1)
-            if self.id not in plan.members:  # declared dead (it was hung): the coordinator kills it
-                raise SystemExit(f"member {self.id} was declared dead by the coordinator at epoch {plan.epoch}")
-            try:
-                self.store.wait([Keys.stop(plan.epoch)], timedelta(milliseconds=50))
-            except (RuntimeError, dist.DistError):
-                continue  # not decided yet, or a newer plan: look again
-            stop = int(self.store.get(Keys.stop(plan.epoch)))
-            if stop < step:
-                raise RuntimeError(f"member {self.id} is at step {step}, past the change's step {stop}")
-            self._stop_at = (plan.epoch, stop)
-            return stop
+    def _propose(self, verdict: str, change: bool) -> None:
+        self.store.compare_set(verdict, "", "change" if change else "go on")
 
     def reconfigure(self) -> Plan:
         """At the change's step: the default group becomes the newest plan's members (PlanSuperseded if a newer
@@ -231,7 +213,7 @@ class LiveMembership:
         if not reconfigure.reconfigure(self.store, plan.epoch, plan.uuid, plan.members, self.id, self.timeout,
                                        abandon=lambda: self._newest > plan.epoch):
             raise PlanSuperseded
-        self.plan, self._stop_at = plan, None
+        self.plan = plan
         return plan
 
     def wait_for_newer_plan(self) -> None:
@@ -262,15 +244,3 @@ def receive_state(rank: int) -> tuple[dict[str, Any], int]:
 
 def rank_of(plan: Plan, member: int) -> int:
     return plan.members.index(member)
-
-
-def topology_for(name: str, world_size: int, local_world_size: int | None) -> tuple[str, int]:
-    """The topology gossiped over ``world_size`` members of one node: ``name`` if it serves that many, else ring;
-    and the workers per node it is laid out with."""
-    local = world_size if local_world_size is None or local_world_size >= world_size else local_world_size
-    try:
-        build_topology(name, world_size, local)
-    except ValueError as error:
-        logger.warning(f"topology {name} cannot serve {world_size} workers ({error}); gossiping over ring")
-        return "ring", world_size
-    return name, local

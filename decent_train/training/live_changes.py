@@ -17,7 +17,6 @@ from decent_train.config import METRICS_FILE
 from decent_train.training.checkpointer import Checkpointer
 from decent_train.training.job import Job
 from decent_train.training.live import Keys, LiveMembership, Plan, PlanSuperseded, rank_of, receive_state, send_state
-from decent_train.training.live import topology_for
 from decent_train.training.resume import resharded_start
 
 
@@ -27,6 +26,7 @@ class LiveTraining:
     def __init__(self, live: LiveMembership, job: Job, metrics: MetricLogger) -> None:
         self.live, self.job, self.metrics = live, job, metrics
         self._recovering: tuple[Plan, dict[str, Any]] | None = None  # a change whose next step is not done yet
+        self.joined = False  # this worker joined the running job (``join``)
 
     def change_at(self, step: int, needs_all: bool) -> bool:
         """Whether the members change after ``step`` (see ``LiveMembership.change_at``); also closes the timing of
@@ -55,11 +55,12 @@ class LiveTraining:
                     self._stop(plan, step)
                 for joiner, donor in plan.donors.items():
                     if donor == live.id:
-                        record |= self._donate(plan, joiner, step, taken, old_world)
+                        healed = self._donate(plan, joiner, step, taken, old_world)
+                        live.store.set(Keys.heal(plan.epoch), json.dumps(healed))
                 live.commit()
                 break
-            except PlanSuperseded:
-                live.change_at(step, needs_all=False)  # report this step for the newer plan: it must be the change's
+            except PlanSuperseded:  # a member was lost during the change: every member starts over at this step
+                continue
         self._rebuild(plan, step, taken, old_world)
         lost = [f"rank {previous.members.index(m)} lost ({why})" for m, why in plan.lost.items()
                 if m in previous.members]
@@ -68,9 +69,11 @@ class LiveTraining:
             logger.info(f"step {step}: {', '.join(lost)}; continuing on {world} workers, topology {topology}")
         if plan.joined:
             donor = rank_of(plan, next(iter(plan.donors.values())))
-            heal = f" ({record['heal_mb']:.1f} MB, {record['heal_s']:.2f} s)" if record else ""
+            record |= json.loads(live.store.get(Keys.heal(plan.epoch)))  # the donor's, set before it committed
+            heal = f" ({record['heal_mb']:.1f} MB, {record['heal_s']:.2f} s)"
             logger.info(f"step {step}: {len(plan.joined)} worker(s) joined, healed from rank {donor}{heal}; {world} "
                         "workers")
+        record["step"] = step
         self._recovering = (plan, record)
 
     def join(self) -> int:
@@ -94,6 +97,7 @@ class LiveTraining:
         logger.info(f"step {step}: joined as rank {dist.get_rank()} of {dist.get_world_size()}, healed from rank "
                     f"{rank_of(plan, plan.donors[live.id])} ({nbytes / 2**20:.1f} MB)")
         self._recovering = (plan, {})
+        self.joined = True
         return step
 
     def _donate(self, plan: Plan, joiner: int, step: int, taken: int, old_world: int) -> dict[str, Any]:
@@ -130,7 +134,9 @@ class LiveTraining:
 
     def _regossip(self) -> None:
         cfg = self.job.cfg
-        name, local = topology_for(cfg.topology.name, dist.get_world_size(), cfg.topology.local_world_size)
+        name, world, local = cfg.live_topology(dist.get_world_size())
+        if name != cfg.topology.name:
+            logger.warning(f"topology {cfg.topology.name} cannot serve {world} workers; gossiping over {name}")
         self.job.algo.membership_changed(name, local)
 
     def _stop(self, plan: Plan, step: int) -> None:

@@ -28,28 +28,19 @@ def train_loop(
 ) -> dict[str, Any]:
     """Train from ``job.start_step`` to ``job.total_steps``; the run's result (accuracy, losses, throughput).
     ``live``: the members may change at a step boundary (``fault_tolerance=live``)."""
-    cfg, algo, precision = job.cfg, job.algo, job.precision
+    algo = job.algo
     recorder, evaluator, checkpointer = Recorder(job, metrics), Evaluator(job), Checkpointer(job)
     batches = _batches(job, recorder)
-    for step in range(job.start_step + 1, job.total_steps + 1):
-        if algo.begin_step(step - 1):
-            logger.info(f"step {step}: phase {algo.phase} ({algo.phase_name}) begins")
-        for micro in range(cfg.accum_steps):
-            x, y = next(batches)
-            with contextlib.nullcontext() if micro == cfg.accum_steps - 1 else algo.no_sync():
-                with precision.autocast():
-                    loss = cross_entropy(algo.model(x), y, label_smoothing=cfg.label_smoothing)
-                precision.scaler.scale(loss / cfg.accum_steps).backward()
-            recorder.add_loss(loss, step)
-        algo.step()
-        recorder.end_step()
-
+    joined = live is not None and live.joined  # it joined after start_step: that step's records are still to come
+    for step in range(job.start_step + (0 if joined else 1), job.total_steps + 1):
         evaluate_now = evaluator.should_evaluate(step)
         record_now = evaluate_now or recorder.should_record(step)
         save_now = checkpointer.should_save(step)
-        if live is not None and live.change_at(step, needs_all=record_now or save_now):
-            live.change(step)
-            batches = _batches(job, recorder)
+        if step > job.start_step:
+            _train_step(job, step, batches, recorder)
+            if live is not None and live.change_at(step, needs_all=record_now or save_now):
+                live.change(step)
+                batches = _batches(job, recorder)
         if record_now or save_now:
             recorder.check_finite()
         if record_now:
@@ -65,6 +56,21 @@ def train_loop(
                 checkpointer.save(step)
     recorder.close()
     return _result(job, recorder, evaluator)
+
+
+def _train_step(job: Job, step: int, batches: Iterator[tuple[Tensor, Tensor]], recorder: Recorder) -> None:
+    cfg, algo, precision = job.cfg, job.algo, job.precision
+    if algo.begin_step(step - 1):
+        logger.info(f"step {step}: phase {algo.phase} ({algo.phase_name}) begins")
+    for micro in range(cfg.accum_steps):
+        x, y = next(batches)
+        with contextlib.nullcontext() if micro == cfg.accum_steps - 1 else algo.no_sync():
+            with precision.autocast():
+                loss = cross_entropy(algo.model(x), y, label_smoothing=cfg.label_smoothing)
+            precision.scaler.scale(loss / cfg.accum_steps).backward()
+        recorder.add_loss(loss, step)
+    algo.step()
+    recorder.end_step()
 
 
 def _batches(job: Job, recorder: Recorder) -> Iterator[tuple[Tensor, Tensor]]:

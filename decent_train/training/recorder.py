@@ -111,8 +111,10 @@ class Recorder:
              algo.bytes_per_step()],
             device,
         )
-        steps_in_window = self.micro_batches / cfg.accum_steps
         loss_total, micro_total, elapsed_w, data_w, comm_w, memory_w, bytes_w = stats.T
+        trained = micro_total > 0  # all but a worker that joined at this step (live membership)
+        steps_in_window = micro_total.max().item() / cfg.accum_steps
+        per_worker_loss = loss_total[trained] / micro_total[trained]
         record = {
             "step": step,
             "epoch": step / job.steps_per_epoch,
@@ -120,8 +122,8 @@ class Recorder:
             "phase/name": algo.phase_name,
             "train/loss": (loss_total.sum() / micro_total.sum()).item(),
             # The spread over workers: on heterogeneous shards (dataset.partition) each fits its own labels.
-            "train/loss_min_worker": (loss_total / micro_total).min().item(),
-            "train/loss_max_worker": (loss_total / micro_total).max().item(),
+            "train/loss_min_worker": per_worker_loss.min().item(),
+            "train/loss_max_worker": per_worker_loss.max().item(),
             "train/lr": algo.lr(),
             "throughput/samples_per_s": (
                 dist.get_world_size() * steps_in_window * self.samples_per_step / elapsed_w.max().item()

@@ -23,7 +23,7 @@ from decent_train.components.optim import make_scheduler_fn
 from decent_train.config import METRICS_FILE, MODEL_FILE, RESULT_FILE, TrainConfig
 from decent_train.training.forward import Precision
 from decent_train.training.job import Job
-from decent_train.training.live import LiveMembership, topology_for
+from decent_train.training.live import LiveMembership
 from decent_train.training.live_changes import LiveTraining, seed_joiner
 from decent_train.training.loop import OnRecord, train_loop
 from decent_train.training.recorder import refuse_to_diverge_again
@@ -52,7 +52,7 @@ def train(
     joining = live is not None and live.joining
     if joining:  # built over the members now; the donor's state replaces what it starts with
         seed_joiner(cfg.seed, live.id)
-        name, local = topology_for(cfg.topology.name, world, cfg.topology.local_world_size)
+        name, _, local = cfg.live_topology(world)
         cfg = dataclasses.replace(cfg, topology=dataclasses.replace(cfg.topology, name=name, local_world_size=local))
     checkpoint, state = (None, None) if joining else load_checkpoint(cfg, run_dir, algorithm)
     start_step = checkpoint.step if checkpoint is not None else 0  # this run's own (a restart), or cfg.resume's
