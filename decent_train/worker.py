@@ -38,9 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     if STORE_ENV in os.environ:  # fault_tolerance=live: the launcher's coordinator says who is in the run
         store, member = connect(timedelta(seconds=cfg.pg_timeout_s))
         live = LiveMembership(store, member, timedelta(seconds=cfg.comm_timeout_s))
-        live.join()
+        live.start()  # train() joins the members once its model is built
         device = torch.device("cpu")
-        setup_worker_logging(run_dir, dist.get_rank(), cfg.logger, name=f"member{member}")
+        setup_worker_logging(run_dir, member, cfg.logger, name=f"member{member}")  # founders: member id = rank
     else:
         device = init_distributed(cfg.launch.device, timedelta(seconds=cfg.pg_timeout_s))
         setup_worker_logging(run_dir, dist.get_rank(), cfg.logger)

@@ -142,9 +142,12 @@ class LiveMembership:
         return Plan.loads(self.store.get(Keys.plan(epoch)))
 
     # -- joining ------------------------------------------------------------------------------------------------
-    def join(self) -> Plan:
-        """Start the reconfigurable group, announce this worker, and :meth:`enter` the first plan that has it."""
+    def start(self) -> None:
+        """Start the reconfigurable group (no peer is contacted yet)."""
         reconfigure.join(self.store, self.id, self.timeout)
+
+    def join(self) -> Plan:
+        """Announce this worker (ready: its model is built) and :meth:`enter` the first plan that has it."""
         self.store.set(Keys.hello(self.id), str(time.time()))
         return self.enter()
 
@@ -156,6 +159,7 @@ class LiveMembership:
             if reconfigure.reconfigure(self.store, plan.epoch, plan.uuid, plan.members, self.id, self.timeout,
                                        abandon=lambda: self._newest > plan.epoch):
                 self.plan = plan
+                logger.debug(f"member {self.id}: rank {dist.get_rank()} of {len(plan.members)} at epoch {plan.epoch}")
                 return plan
 
     @property

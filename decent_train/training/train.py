@@ -4,6 +4,7 @@ the result."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import math
 from pathlib import Path
@@ -39,13 +40,16 @@ def train(
     ``on_record(record, model)`` runs on every rank after each record is measured (before any evaluation). ``live``:
     the members may change while it trains (``fault_tolerance=live``); a worker joining a running job heals first.
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
     run_dir.mkdir(parents=True, exist_ok=True)
+    data = build_datasets(cfg.dataset)
+    net = _build_net(cfg, data, device)
+    if live is not None:
+        importlib.import_module("torch._dynamo")  # 1.3 s on the first optimizer built: not while the members wait
+        live.join()  # only now: a joiner's members wait for nothing but its state
+    rank, world = dist.get_rank(), dist.get_world_size()
     refuse_to_diverge_again(run_dir)
     launched = cfg.launch.world_size if live is not None else world  # live: the batch stays as launched
     batch_size = cfg.batch_size_per_worker(launched)
-    data = build_datasets(cfg.dataset)
-    net = _build_net(cfg, data, device)
     torch.manual_seed(cfg.seed + rank)  # dropout and any other randomness differ per worker
 
     algorithm = algorithm_class(cfg.algorithm.name)
