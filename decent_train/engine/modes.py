@@ -86,6 +86,7 @@ class ModeContext:
                 step, peer = self.progress.step, peer_messages.peer
                 if not any(p == peer for _, _, p in self.missed):
                     first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+                    first_line = first_line.split(". This is typically")[0]  # gloo's advice: not for a dead peer
                     logger.warning(f"rank {self.members.rank}: no message from rank {peer} at step {step} (bucket "
                                    f"{bucket.index}): {first_line}; its weight stays here until the members change")
                 self.missed.append((step, bucket.index, peer))

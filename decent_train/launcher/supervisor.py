@@ -142,6 +142,11 @@ class Supervisor:
     def _step(self) -> bool:
         """One look at the workers; True when the run is over."""
         plan = self.plan
+        if plan.stop and self.store.add(Keys.commit(plan.epoch), 0) >= len(plan.members):
+            raise WorkerFailure(
+                f"fault_tolerance.min_workers={self.ft.min_workers}: {len(plan.members)} worker(s) left; the run "
+                "stopped with a checkpoint (resume=RUN_DIR continues it)"
+            )
         lost = self._lost(plan)
         if lost and self.finished:  # training is over (a member finished): nothing to plan for
             logger.warning(f"after the end of training: {lost}")
@@ -156,21 +161,29 @@ class Supervisor:
         change = self.changes[-1]
         if change.committed is None and self.store.add(Keys.commit(plan.epoch), 0) >= len(plan.members):
             change.committed = time.time()
-            if plan.stop:
-                raise WorkerFailure(
-                    f"fault_tolerance.min_workers={self.ft.min_workers}: {len(plan.members)} worker(s) left; the run "
-                    "stopped with a checkpoint (resume=RUN_DIR continues it)"
-                )
         joiners = [w.id for w in self.workers.values()
                    if w.id not in plan.members and w.process.poll() is None and self.store.check([Keys.hello(w.id)])]
         if joiners and change.committed is not None:
-            for member in joiners:
-                self.workers[member].said_hello, self.workers[member].last_beat = True, time.monotonic()
-            survivors = [m for m in plan.members if m not in self.finished]
-            self._publish(survivors + joiners, joined=joiners, donors={j: survivors[-1] for j in joiners})
-            logger.info(f"epoch {len(self.changes) - 1}: {len(joiners)} worker(s) joining, healing from member "
-                        f"{survivors[-1]}")
+            self._plan(plan.members, joiners)
         return False
+
+    def _established(self) -> list[int]:
+        """The members of the newest committed plan (the ones that can heal a joiner)."""
+        return next((c.plan.members for c in reversed(self.changes) if c.committed is not None),
+                    self.changes[0].plan.members)
+
+    def _plan(self, members: list[int], joiners: list[int], lost: dict[int, str] | None = None) -> None:
+        """A plan with ``members`` and ``joiners`` (new, or of a plan not committed yet); each joiner heals from the
+        last of the established members among them."""
+        established = [m for m in members if m in self._established()]
+        joiners = [j for j in joiners if j not in established]
+        for member in joiners:
+            self.workers[member].said_hello, self.workers[member].last_beat = True, time.monotonic()
+        donors = {j: established[-1] for j in joiners}
+        self._publish(established + joiners, lost=lost or {}, joined=joiners, donors=donors)
+        if joiners:
+            logger.info(f"epoch {len(self.changes) - 1}: {len(joiners)} worker(s) joining, healing from member "
+                        f"{established[-1]}")
 
     def _lost(self, plan: Plan) -> dict[int, str]:
         """Members (and joiners) that exited with an error or stopped beating: killed, with the reason."""
@@ -198,15 +211,18 @@ class Supervisor:
         return {m: why for m, why in lost.items() if m in plan.members or self.workers[m].said_hello}
 
     def _plan_without(self, plan: Plan, lost: dict[int, str]) -> None:
-        survivors = [m for m in plan.members if m not in lost and m not in self.finished]
         for member, why in lost.items():
             logger.warning(f"member {member} lost ({why})")
-        stop = len(survivors) < self.ft.min_workers
-        if not survivors:
+        members = [m for m in plan.members if m not in lost and m not in self.finished]
+        established = [m for m in members if m in self._established()]
+        if not established:
             raise WorkerFailure("every worker was lost: " + "; ".join(f"member {m}: {w}" for m, w in lost.items()))
-        self._publish(survivors, lost=lost, stop=stop)
+        if len(established) < self.ft.min_workers:  # a last plan: the workers save a checkpoint and end
+            self._publish(established, lost=lost, stop=True)
+            return
+        self._plan(members, [m for m in members if m not in established], lost)
         for member in lost:
-            if self.restarts_left > 0 and not stop:
+            if self.restarts_left > 0:
                 self.restarts_left -= 1
                 replacement = self._start_worker()
                 logger.info(f"member {member} replaced by member {replacement} (restarts left: {self.restarts_left})")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from loguru import logger
@@ -20,7 +22,7 @@ class Checkpointer:
         every = self.job.cfg.checkpoint.every
         return every > 0 and (step % every == 0 or step == self.job.total_steps)
 
-    def save(self, step: int) -> None:
+    def save(self, step: int) -> Path:
         """This worker's state at ``step`` (the caller has checked the loss is finite)."""
         job, cfg = self.job, self.job.cfg
         state = {
@@ -35,3 +37,4 @@ class Checkpointer:
         path = save_checkpoint(job.run_dir, step, state, cfg.schedule(dist.get_world_size()), cfg.model.architecture(),
                                cfg.checkpoint.keep, job.run_world)
         logger.debug(f"checkpoint {path}")
+        return path

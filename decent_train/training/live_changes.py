@@ -141,10 +141,11 @@ class LiveTraining:
 
     def _stop(self, plan: Plan, step: int) -> None:
         """Fewer members than ``fault_tolerance.min_workers``: a checkpoint at this step, then the run ends."""
-        Checkpointer(self.job).save(step)
+        path = Checkpointer(self.job).save(step)
+        logger.warning(f"fault_tolerance.min_workers={self.job.cfg.fault_tolerance.min_workers}: "
+                       f"{len(plan.members)} worker(s) left at step {step}; stopped with a checkpoint ({path})")
         self.live.commit()
-        raise SystemExit(f"fault_tolerance.min_workers={self.job.cfg.fault_tolerance.min_workers}: "
-                         f"{len(plan.members)} worker(s) left at step {step}; stopped with a checkpoint")
+        raise SystemExit(3)  # the launcher says why, once
 
 
 def seed_joiner(seed: int, member: int) -> None:
