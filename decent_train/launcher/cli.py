@@ -182,7 +182,12 @@ def _print_dry_run(cfg: TrainConfig, config_path: Path) -> None:
     else:
         summary = f"all-reduce (torch DDP) over {_workers(cfg.launch)} workers"
     print(f"dry run: nothing trained\n  topology: {summary}\n  config:   {config_path}")
-    print(f"  workers:  {format_command(torchrun_command(cfg.launch, config_path))}", flush=True)
+    if cfg.fault_tolerance.live:
+        workers = (f"{cfg.launch.nproc_per_node} x python -m decent_train.worker {config_path}, started by "
+                   "decent-train itself (fault_tolerance=live: it hosts their store and decides who is in the run)")
+    else:
+        workers = format_command(torchrun_command(cfg.launch, config_path))
+    print(f"  workers:  {workers}", flush=True)
 
 
 def _workers(launch: LaunchConfig) -> str:

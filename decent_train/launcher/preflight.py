@@ -16,6 +16,7 @@ import torch
 from decent_train.components.checkpoint import complete_checkpoints
 from decent_train.components.models import ModelConfig, build_model
 from decent_train.config import TrainConfig
+from decent_train.engine import reconfigure
 from decent_train.engine.host_memory import host_malloc_choice
 from decent_train.engine.int8_kernels import compiled_int8_choice
 
@@ -31,6 +32,22 @@ def preflight(cfg: TrainConfig) -> None:
     if cfg.resume is not None:
         check_resume(cfg)
     check_fragments(cfg)
+    if cfg.fault_tolerance.live:
+        check_live(cfg)
+
+
+def check_live(cfg: TrainConfig) -> None:
+    """``fault_tolerance=live`` needs torch's reconfigurable process groups, and the data must shard over every
+    number of members the run may shrink to (down to ``fault_tolerance.min_workers``)."""
+    if not reconfigure.supported():
+        raise ValueError(f"fault_tolerance=live needs torch >= 2.14 (reconfigurable process groups); this is torch "
+                         f"{torch.__version__}")
+    if cfg.launch.nproc_per_node is not None:
+        cfg.dataset.check_partition(list(range(cfg.fault_tolerance.min_workers, cfg.launch.nproc_per_node + 1)))
+        if cfg.build_topology(world_size=cfg.launch.nproc_per_node).is_staged:
+            raise ValueError(f"fault_tolerance=live with topology={cfg.topology.name} laid out over nodes of "
+                             f"{cfg.topology.local_world_size}: its rounds have two stages; live membership gossips "
+                             "in one-stage rounds (ring, complete, one-peer-exp, alternating-exp-ring)")
 
 
 def check_topologies(cfg: TrainConfig) -> None:
