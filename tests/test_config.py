@@ -144,6 +144,17 @@ def test_every_option_composes_and_checks(group: str, option: str, data_dirs: di
          "compression.copy_dtype=bf16 sets per-step gossip's public copies"),
         ({"algorithm": "diloco", "phases": [{"algorithm": "allreduce", "steps": 5}, {}]},
          "leave algorithm=decentralized (not 'diloco')"),
+        # fault_tolerance=live: what this version runs with
+        ({"fault_tolerance": {"name": "hot"}}, "fault_tolerance='hot'; valid: none, live"),
+        ({"fault_tolerance": {"name": "live", "detect_s": 0}}, "fault_tolerance.detect_s=0.0 must be > 0"),
+        ({"fault_tolerance": {"name": "live", "min_workers": 5}}, "fault_tolerance.min_workers=5 is more than the 4"),
+        ({"fault_tolerance": {"name": "live"}, "algorithm": "diloco"}, "fault_tolerance=live with algorithm=diloco"),
+        ({"fault_tolerance": {"name": "live"}, "global_avg_every": 5}, "fault_tolerance=live with global_avg_every=5"),
+        ({"fault_tolerance": {"name": "live"}, "phases": [{"algorithm": "allreduce", "steps": 5}, {}]},
+         "fault_tolerance=live with phases"),
+        ({"fault_tolerance": {"name": "live"}, "launch": {"device": "cuda"}}, "launch.device=cuda: live membership"),
+        ({"fault_tolerance": {"name": "live"}, "topology": {"name": "hierarchical", "local_world_size": 2}},
+         "its rounds have two stages"),
     ],
 )
 def test_bad_values_name_themselves(override: dict, fragment: str) -> None:
