@@ -407,7 +407,7 @@ class DecentralizedDataParallel(nn.Module):
         if self._armed or self._backward_started:
             raise RuntimeError("prepare_membership_change() between steps only")
         for bucket in self._buckets:
-            self._context.wait_pending(bucket)
+            self._context.wait_pending(bucket, dropping=True)
         self._global_average = None
 
     @torch.no_grad()
