@@ -36,8 +36,9 @@ def main(argv: list[str] | None = None) -> None:
     run_dir = Path(cfg.run.output_dir) if cfg.run.output_dir else config_path.parent
     live = None
     if STORE_ENV in os.environ:  # fault_tolerance=live: the launcher's coordinator says who is in the run
-        store, member = connect(timedelta(seconds=cfg.pg_timeout_s))
-        live = LiveMembership(store, member, timedelta(seconds=cfg.comm_timeout_s))
+        pg_timeout = timedelta(seconds=cfg.pg_timeout_s)
+        store, member = connect(pg_timeout)
+        live = LiveMembership(store, member, timedelta(seconds=cfg.comm_timeout_s), pg_timeout)
         live.start()  # train() joins the members once its model is built
         device = torch.device("cpu")
         setup_worker_logging(run_dir, member, cfg.logger, name=f"member{member}")  # founders: member id = rank

@@ -20,7 +20,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -37,7 +37,7 @@ POLL_S = 0.002
 
 
 class Keys:
-    """The store's keys (the coordinator, launcher/coordinator.py, writes the plans, stops and verdicts)."""
+    """The store's keys (the coordinator, launcher/supervisor.py, writes the plans; the workers the rest)."""
 
     EPOCH = "epoch"  # a counter: the newest plan's epoch (``add(EPOCH, 0)`` reads it without waiting)
 
@@ -106,12 +106,13 @@ def connect(timeout: timedelta) -> tuple[dist.Store, int]:
 
 
 class LiveMembership:
-    """This worker's side of the coordinator's plans; ``changes`` lists what each change did and cost."""
+    """This worker's side of the coordinator's plans. ``timeout``: a point-to-point message's limit (gloo takes it
+    from the reconfiguration); ``collective_timeout``: the default group's collectives'."""
 
-    def __init__(self, store: dist.Store, member_id: int, timeout: timedelta):
+    def __init__(self, store: dist.Store, member_id: int, timeout: timedelta, collective_timeout: timedelta):
         self.store, self.id, self.timeout = store, member_id, timeout
+        self.collective_timeout = collective_timeout
         self.plan: Plan | None = None  # the epoch this worker is in
-        self.changes: list[dict[str, Any]] = []
         self._newest = -1  # the newest epoch the heartbeat thread saw
         host, port = os.environ[STORE_ENV].rsplit(":", 1)
         self._beat_store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)  # the thread's own
@@ -144,7 +145,7 @@ class LiveMembership:
     # -- joining ------------------------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the reconfigurable group (no peer is contacted yet)."""
-        reconfigure.join(self.store, self.id, self.timeout)
+        reconfigure.join(self.store, self.id, self.collective_timeout)
 
     def join(self) -> Plan:
         """Announce this worker (ready: its model is built) and :meth:`enter` the first plan that has it."""
