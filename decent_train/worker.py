@@ -45,11 +45,13 @@ def main(argv: list[str] | None = None) -> None:
     else:
         device = init_distributed(cfg.launch.device, timedelta(seconds=cfg.pg_timeout_s))
         setup_worker_logging(run_dir, dist.get_rank(), cfg.logger)
+    finished = False
     try:
         train(cfg, run_dir, device, live=live)
         gc.collect()  # free the engine (its hooks make reference cycles) while its process groups are alive
         with peers_must_answer("the barrier at the end of training"):
             dist.barrier()  # leave together: a peer tearing down gloo while others still talk to it aborts them
+        finished = True
     except Exception as error:
         # The traceback goes to this rank's log and to the error file the launcher reports from; not to the console
         # of every rank.
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     finally:
         if live is not None:
-            live.close()
+            live.close(finished)
         dist.destroy_process_group()
     logger.complete()  # everything is written and the process group is gone; the interpreter exits as usual
 

@@ -120,9 +120,11 @@ class Supervisor:
             self._wait_for_founders()
             while not self._step():
                 time.sleep(POLL_S)
-        except BaseException:
+            for worker in self.workers.values():  # the members exit; a replacement that never joined is stopped
+                if worker.id in self.finished:
+                    worker.process.wait()
+        finally:
             self._stop_all()
-            raise
         return self._summary()
 
     def _wait_for_founders(self) -> None:
@@ -149,9 +151,7 @@ class Supervisor:
             )
         lost = self._lost(plan)
         if lost and self.finished:  # training is over (a member finished): nothing to plan for
-            logger.warning(f"after the end of training: {lost}")
-            for member in lost:
-                plan.lost.setdefault(member, lost[member])
+            logger.warning(f"lost after the end of training: {lost}")
             return all(m in self.finished or m in lost for m in plan.members)
         if lost:
             self._plan_without(plan, lost)
@@ -163,7 +163,7 @@ class Supervisor:
             change.committed = time.time()
         joiners = [w.id for w in self.workers.values()
                    if w.id not in plan.members and w.process.poll() is None and self.store.check([Keys.hello(w.id)])]
-        if joiners and change.committed is not None:
+        if joiners and change.committed is not None and not self.finished:  # not once training is over
             self._plan(plan.members, joiners)
         return False
 
@@ -193,7 +193,7 @@ class Supervisor:
             if worker.id in self.finished or any(worker.id in c.plan.lost for c in self.changes):
                 continue
             code = worker.process.poll()
-            if code == 0:
+            if code == 0 or self.store.check([Keys.done(worker.id)]):
                 self.finished.add(worker.id)
                 continue
             if code is not None:
@@ -228,21 +228,25 @@ class Supervisor:
                 logger.info(f"member {member} replaced by member {replacement} (restarts left: {self.restarts_left})")
 
     def _summary(self) -> list[dict[str, Any]]:
-        summary = []
+        """Each change the members went through: the plans a later one superseded before they took effect count
+        in it (ranks are those in the members before the change)."""
+        summary, previous, lost = [], self.changes[0].plan.members, {}
         for change in self.changes[1:]:
             plan = change.plan
-            previous = self.changes[plan.epoch - 1].plan.members
+            lost |= plan.lost
+            if change.committed is None:
+                continue
             record: dict[str, Any] = {
                 "epoch": plan.epoch,
-                "lost": [{"rank": previous.index(m), "member": m, "why": why} for m, why in plan.lost.items()
+                "lost": [{"rank": previous.index(m), "member": m, "why": why} for m, why in lost.items()
                          if m in previous],
                 "joined": [{"member": m, "donor_rank": previous.index(plan.donors[m])} for m in plan.joined],
                 "members": len(plan.members),
-                "committed": change.committed is not None,
             }
             if self.store.check([Keys.record(plan.epoch)]):
                 record |= json.loads(self.store.get(Keys.record(plan.epoch)))
             summary.append(record)
+            previous, lost = plan.members, {}
         return summary
 
 

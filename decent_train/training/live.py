@@ -58,6 +58,10 @@ class Keys:
         return f"hello/{member}"
 
     @staticmethod
+    def done(member: int) -> str:
+        return f"done/{member}"  # trained to the end: its heartbeat may stop while the process exits
+
+    @staticmethod
     def barrier(epoch: int, step: int) -> str:
         return f"barrier/{epoch}/{step}"
 
@@ -129,18 +133,30 @@ class LiveMembership:
             except (RuntimeError, dist.DistError):  # the store went away: the launcher ended
                 return
 
-    def close(self) -> None:
-        """Stop the heartbeat before the interpreter ends (a daemon thread inside a store call then would abort it)."""
+    def close(self, finished: bool) -> None:
+        """Stop the heartbeat before the interpreter ends (a daemon thread inside a store call then would abort it);
+        ``finished``: tell the coordinator first, so that the silence while the process exits is not a hang."""
+        if finished:
+            self.store.set(Keys.done(self.id), "")
         self._stopping.set()
         self._thread.join()
 
     def newer_plan(self) -> bool:
         return self.plan is None or self._newest > self.plan.epoch
 
+    def _newest_epoch(self) -> int:
+        self._newest = max(self._newest, self.store.add(Keys.EPOCH, 0) - 1)
+        return self._newest
+
     def _latest_plan(self) -> Plan:
-        epoch = self.store.add(Keys.EPOCH, 0) - 1
-        self._newest = max(self._newest, epoch)
-        return Plan.loads(self.store.get(Keys.plan(epoch)))
+        return Plan.loads(self.store.get(Keys.plan(self._newest_epoch())))
+
+    def lost_since(self, epoch: int) -> dict[int, str]:
+        """Who the plans after ``epoch`` (up to this worker's) declared dead, and why."""
+        lost: dict[int, str] = {}
+        for later in range(epoch + 1, self.plan.epoch + 1):
+            lost |= Plan.loads(self.store.get(Keys.plan(later))).lost
+        return lost
 
     # -- joining ------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -157,11 +173,21 @@ class LiveMembership:
         once healed, a founder at once)."""
         while True:
             plan = self._wait_for_plan(lambda p: self.id in p.members)
-            if reconfigure.reconfigure(self.store, plan.epoch, plan.uuid, plan.members, self.id, self.timeout,
-                                       abandon=lambda: self._newest > plan.epoch):
+            if self._reconfigure(plan):
                 self.plan = plan
                 logger.debug(f"member {self.id}: rank {dist.get_rank()} of {len(plan.members)} at epoch {plan.epoch}")
                 return plan
+
+    def _reconfigure(self, plan: Plan) -> bool:
+        """Reconfigure into ``plan``; False if a newer plan came first, or if it failed (a member in it died after
+        publishing its handle: gloo gives up after ``timeout``) and a newer plan is out."""
+        try:
+            return reconfigure.reconfigure(self.store, plan.epoch, plan.uuid, plan.members, self.id, self.timeout,
+                                           abandon=lambda: self._newest_epoch() > plan.epoch)
+        except (RuntimeError, dist.DistError):
+            if self._newest_epoch() > plan.epoch:
+                return False
+            raise
 
     @property
     def joining(self) -> bool:
@@ -215,8 +241,7 @@ class LiveMembership:
         """At the change's step: the default group becomes the newest plan's members (PlanSuperseded if a newer
         plan comes first)."""
         plan = self._latest_plan()
-        if not reconfigure.reconfigure(self.store, plan.epoch, plan.uuid, plan.members, self.id, self.timeout,
-                                       abandon=lambda: self._newest > plan.epoch):
+        if not self._reconfigure(plan):
             raise PlanSuperseded
         self.plan = plan
         return plan

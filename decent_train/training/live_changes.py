@@ -62,7 +62,7 @@ class LiveTraining:
             except PlanSuperseded:  # a member was lost during the change: every member starts over at this step
                 continue
         self._rebuild(plan, step, taken, old_world)
-        lost = [f"rank {previous.members.index(m)} lost ({why})" for m, why in plan.lost.items()
+        lost = [f"rank {previous.members.index(m)} lost ({why})" for m, why in live.lost_since(previous.epoch).items()
                 if m in previous.members]
         world, topology = dist.get_world_size(), job.algo.topology_name
         if lost:
@@ -142,8 +142,8 @@ class LiveTraining:
     def _stop(self, plan: Plan, step: int) -> None:
         """Fewer members than ``fault_tolerance.min_workers``: a checkpoint at this step, then the run ends."""
         path = Checkpointer(self.job).save(step)
-        logger.warning(f"fault_tolerance.min_workers={self.job.cfg.fault_tolerance.min_workers}: "
-                       f"{len(plan.members)} worker(s) left at step {step}; stopped with a checkpoint ({path})")
+        logger.debug(f"fault_tolerance.min_workers={self.job.cfg.fault_tolerance.min_workers}: "
+                     f"{len(plan.members)} worker(s) left at step {step}; stopped with a checkpoint ({path})")
         self.live.commit()
         raise SystemExit(3)  # the launcher says why, once
 
