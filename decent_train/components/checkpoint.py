@@ -134,19 +134,22 @@ def complete_checkpoints(run_dir: Path) -> list[Checkpoint]:
 
 def save_checkpoint(
     run_dir: Path, step: int, state: dict[str, Any], topology: str, model: dict[str, Any], keep: int,
-    run_world_size: Optional[int] = None,
+    run_world_size: Optional[int] = None, before_gather: Optional[Callable[[], None]] = None,
 ) -> Path:
     """Every rank saves ``state``; rank 0 then writes the manifest (with the ``topology`` and the ``model``'s
     architecture that a resume must match, and the world size the run started with: by default this one) and deletes
     all but the newest ``keep``.
 
-    Collective: every rank calls it at the same step.
+    Collective: every rank calls it at the same step. ``before_gather`` runs after this rank's file is written,
+    before the collectives (live membership's fence: a member that died while writing stops nobody).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     directory = run_dir / CHECKPOINTS / f"step_{step:08d}"
     directory.mkdir(parents=True, exist_ok=True)
     file = directory / f"rank{rank}.pt"
     sha256, size = _write_atomically(file, lambda f: torch.save(state, f))
+    if before_gather is not None:
+        before_gather()
     entries: list[Any] = [None] * world
     with peers_must_answer(f"saving checkpoint {directory.name} (gathering the ranks' files)"):
         dist.all_gather_object(entries, {"file": file.name, "sha256": sha256, "bytes": size})

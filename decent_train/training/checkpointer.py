@@ -35,6 +35,6 @@ class Checkpointer:
             "cuda_rng": torch.cuda.get_rng_state(job.device) if job.device.type == "cuda" else None,
         }
         path = save_checkpoint(job.run_dir, step, state, cfg.schedule(dist.get_world_size()), cfg.model.architecture(),
-                               cfg.checkpoint.keep, job.run_world)
+                               cfg.checkpoint.keep, job.run_world, before_gather=job.fence)
         logger.debug(f"checkpoint {path}")
         return path

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -15,7 +17,8 @@ from decent_train.training.job import Job
 
 @torch.no_grad()
 def evaluate(
-    net: nn.Module, cfg: TrainConfig, data: Datasets, device: torch.device, precision: Precision
+    net: nn.Module, cfg: TrainConfig, data: Datasets, device: torch.device, precision: Precision,
+    before_reduce: Callable[[], None] = lambda: None,
 ) -> dict[str, float]:
     """Loss and accuracy (next-token accuracy for tokens) on the whole evaluation set; each worker evaluates a
     disjoint slice and the sums are reduced."""
@@ -30,6 +33,7 @@ def evaluate(
         sums[0] += cross_entropy(logits.float(), y, reduction="sum").double()
         sums[1] += (logits.argmax(dim=-1) == y).sum()
         sums[2] += y.numel()
+    before_reduce()  # live membership's fence: a member that died while evaluating stops nobody
     with peers_must_answer("the evaluation's all-reduce"):
         run_collective(dist.all_reduce, sums)
     net.train(was_training)
@@ -51,4 +55,4 @@ class Evaluator:
         """Every rank calls it at the same step: the average is formed, evaluated, and the local models restored."""
         job = self.job
         with job.algo.averaged():
-            return evaluate(job.algo.net, job.cfg, job.data, job.device, job.precision)
+            return evaluate(job.algo.net, job.cfg, job.data, job.device, job.precision, before_reduce=job.fence)

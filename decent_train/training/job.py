@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ class Job:
     # size changed)
     run_world: int  # the world size the run started with (its epochs are counted in it)
     data_step: int = -1  # the step ``data_start`` was counted at: ``start_step``, or a live membership change's
+    fence: Callable[[], None] = lambda: None  # before a collective that follows local work (live membership's)
 
     def __post_init__(self) -> None:
         if self.data_step < 0:

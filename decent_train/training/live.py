@@ -66,6 +66,10 @@ class Keys:
         return f"barrier/{epoch}/{step}"
 
     @staticmethod
+    def fence(epoch: int, count: int) -> str:
+        return f"fence/{epoch}/{count}"
+
+    @staticmethod
     def heal(epoch: int) -> str:
         return f"heal/{epoch}"  # what healing the epoch's joiners cost (the donor's measurement)
 
@@ -98,6 +102,10 @@ class Plan:
         return cls(**raw)
 
 
+class MembersChanged(Exception):
+    """A fence's verdict: the members change at this step (one died during the step's evaluation or checkpoint)."""
+
+
 class PlanSuperseded(Exception):
     """A newer plan came while this one was carried out: start over with it, at the same step."""
 
@@ -117,6 +125,7 @@ class LiveMembership:
         self.store, self.id, self.timeout = store, member_id, timeout
         self.collective_timeout = collective_timeout
         self.plan: Plan | None = None  # the epoch this worker is in
+        self._fences = 0  # fences met in this epoch (every member meets them in the same order)
         self._newest = -1  # the newest epoch the heartbeat thread saw
         host, port = os.environ[STORE_ENV].rsplit(":", 1)
         self._beat_store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)  # the thread's own
@@ -174,7 +183,7 @@ class LiveMembership:
         while True:
             plan = self._wait_for_plan(lambda p: self.id in p.members)
             if self._reconfigure(plan):
-                self.plan = plan
+                self.plan, self._fences = plan, 0
                 logger.debug(f"member {self.id}: rank {dist.get_rank()} of {len(plan.members)} at epoch {plan.epoch}")
                 return plan
 
@@ -223,8 +232,19 @@ class LiveMembership:
         proposes it too (the dead one never arrives, and nobody passes the step without it)."""
         if not needs_all:
             return False
+        return self._verdict(Keys.barrier(self.plan.epoch, step))
+
+    def fence(self) -> None:
+        """Before a collective that follows local work of a record step (evaluating, writing a checkpoint file): the
+        members meet in a barrier as at the step's start; MembersChanged if its verdict is a change (a member died
+        during that work: nobody runs the collective with it)."""
+        self._fences += 1
+        if self._verdict(Keys.fence(self.plan.epoch, self._fences)):
+            raise MembersChanged
+
+    def _verdict(self, key: str) -> bool:
+        """A barrier of the members at ``key``, and whether its verdict is a change."""
         plan = self.plan
-        key = Keys.barrier(plan.epoch, step)
         verdict = f"{key}/verdict"
         if self.store.add(key, 1) == len(plan.members):
             self._propose(verdict, self._latest_plan().epoch > plan.epoch)
@@ -243,7 +263,7 @@ class LiveMembership:
         plan = self._latest_plan()
         if not self._reconfigure(plan):
             raise PlanSuperseded
-        self.plan = plan
+        self.plan, self._fences = plan, 0
         return plan
 
     def wait_for_newer_plan(self) -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -16,8 +17,13 @@ from decent_train.components.metrics import MetricLogger, log_to_console
 from decent_train.config import METRICS_FILE
 from decent_train.training.checkpointer import Checkpointer
 from decent_train.training.job import Job
-from decent_train.training.live import Keys, LiveMembership, Plan, PlanSuperseded, rank_of, receive_state, send_state
+from decent_train.training.live import (
+    Keys, LiveMembership, MembersChanged, Plan, PlanSuperseded, rank_of, receive_state, send_state,
+)
 from decent_train.training.resume import resharded_start
+
+
+T = TypeVar("T")
 
 
 class LiveTraining:
@@ -27,6 +33,16 @@ class LiveTraining:
         self.live, self.job, self.metrics = live, job, metrics
         self._recovering: tuple[Plan, dict[str, Any]] | None = None  # a change whose next step is not done yet
         self.joined = False  # this worker joined the running job (``join``)
+        self.changed_at = -1  # the step of the latest change
+        job.fence = live.fence
+
+    def despite_changes(self, step: int, work: Callable[[], T]) -> T:
+        """``work()`` (an evaluation, a checkpoint), again after a change if a member died while it ran."""
+        while True:
+            try:
+                return work()
+            except MembersChanged:
+                self.change(step)
 
     def change_at(self, step: int, needs_all: bool) -> bool:
         """Whether the members change after ``step`` (see ``LiveMembership.change_at``); also closes the timing of
@@ -74,7 +90,7 @@ class LiveTraining:
             logger.info(f"step {step}: {len(plan.joined)} worker(s) joined, healed from rank {donor}{heal}; {world} "
                         "workers")
         record["step"] = step
-        self._recovering = (plan, record)
+        self._recovering, self.changed_at = (plan, record), step
 
     def join(self) -> int:
         """A worker started into a running job: receive its donor's state and load it; the step it is at."""

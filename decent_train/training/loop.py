@@ -6,13 +6,14 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 from loguru import logger
 from torch import Tensor, nn
 
 from decent_train.components.metrics import MetricLogger
+from decent_train.engine.comm import ExchangeError
 from decent_train.training.checkpointer import Checkpointer
 from decent_train.training.evaluator import Evaluator
 from decent_train.training.forward import cross_entropy
@@ -21,6 +22,7 @@ from decent_train.training.live_changes import LiveTraining
 from decent_train.training.recorder import Recorder
 
 OnRecord = Callable[[dict[str, Any], nn.Module], None]
+T = TypeVar("T")
 
 
 def train_loop(
@@ -40,22 +42,35 @@ def train_loop(
             _train_step(job, step, batches, recorder)
             if live is not None and live.change_at(step, needs_all=record_now or save_now):
                 live.change(step)
-                batches = _batches(job, recorder)
-        if record_now or save_now:
-            recorder.check_finite()
-        if record_now:
-            record = recorder.measure(step)
-            if on_record is not None:
-                on_record(record, algo.net)
-            if evaluate_now:
+        try:
+            if record_now or save_now:
+                recorder.check_finite()
+            if record_now:
+                record = recorder.measure(step)
+                if on_record is not None:
+                    on_record(record, algo.net)
+                if evaluate_now:
+                    with recorder.paused():
+                        record.update(_despite_changes(live, step, evaluator.evaluate))
+                recorder.log(record)
+            if save_now:  # after the step's record: a run resumed here logs from the next step on
                 with recorder.paused():
-                    record.update(evaluator.evaluate())
-            recorder.log(record)
-        if save_now:  # after the step's record: a run resumed here logs from the next step on
-            with recorder.paused():
-                checkpointer.save(step)
+                    _despite_changes(live, step, lambda: checkpointer.save(step))
+        except ExchangeError as error:
+            if live is None:
+                raise
+            # A member died inside one of these collectives (some members may have finished it): all go on, and
+            # change at the next record step.
+            logger.warning(f"step {step}: {error}; the rest of this step's records is skipped")
+        if live is not None and live.changed_at == step:
+            batches = _batches(job, recorder)  # this worker's share over the new members
     recorder.close()
     return _result(job, recorder, evaluator)
+
+
+def _despite_changes(live: LiveTraining | None, step: int, work: Callable[[], T]) -> T:
+    """``work()``; with live membership, again after a change if a member died while it ran."""
+    return work() if live is None else live.despite_changes(step, work)
 
 
 def _train_step(job: Job, step: int, batches: Iterator[tuple[Tensor, Tensor]], recorder: Recorder) -> None:

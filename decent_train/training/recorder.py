@@ -100,17 +100,18 @@ class Recorder:
         job, cfg, algo, device = self.job, self.job.cfg, self.job.algo, self.job.device
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the window's time includes its queued work
-        elapsed = time.perf_counter() - self.window_start
-        # The record's own cost (the gather below, the consensus all-reduce, the sinks) is training time: it counts in
-        # the next window, so throughput shows what measuring costs.
-        self.window_start = time.perf_counter()
-        self.train_seconds += elapsed
+        now = time.perf_counter()
+        elapsed = now - self.window_start
         comm_seconds = (algo.comm_wait_seconds() or 0.0) - self.comm_start
         stats = gather(  # one row per worker
             [self.loss_sum, self.micro_batches, elapsed, self.data_seconds, comm_seconds, peak_memory_bytes(device),
              algo.bytes_per_step()],
             device,
         )
+        # The record's own cost (the gather above, the consensus all-reduce, the sinks) is training time: it counts in
+        # the next window, so throughput shows what measuring costs.
+        self.window_start = now
+        self.train_seconds += elapsed
         loss_total, micro_total, elapsed_w, data_w, comm_w, memory_w, bytes_w = stats.T
         trained = micro_total > 0  # all but a worker that joined at this step (live membership)
         steps_in_window = micro_total.max().item() / cfg.accum_steps
