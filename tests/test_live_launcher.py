@@ -172,7 +172,7 @@ def test_a_killed_worker_is_dropped_and_the_others_train_to_the_end(tmp_path: Pa
     (change,) = run.result["membership_changes"]
     assert [(lost["rank"], lost["member"]) for lost in change["lost"]] == [(member, member)], f"{run}"
     assert change["lost"][0]["why"] == "killed by SIGKILL" and change["joined"] == [], f"{run}"
-    assert change["members"] == 3 and change["committed"] and change["step"] > run.sent[0][0], f"{run}"
+    assert change["members"] == 3 and change["step"] > run.sent[0][0], f"{run}"
     assert re.search(rf"step {change['step']}: rank {member} lost \(killed by SIGKILL\); continuing on 3 workers",
                      run.console), f"{run}"
     assert run.result["world_size"] == 3, f"{run}"
@@ -198,7 +198,7 @@ def test_a_replacement_joins_and_heals_from_a_survivor(tmp_path: Path) -> None:
     assert after[4] not in before.values(), f"{run}"
     loss, join = run.result["membership_changes"]
     assert [(lost["rank"], lost["member"]) for lost in loss["lost"]] == [(2, 2)] and loss["members"] == 3, f"{run}"
-    assert join["lost"] == [] and join["members"] == 4 and join["committed"], f"{run}"
+    assert join["lost"] == [] and join["members"] == 4, f"{run}"
     (joined,) = join["joined"]
     assert joined["member"] == 4 and joined["donor_rank"] in range(3), f"{run}"  # a survivor's rank
     assert join["step"] > loss["step"] and join["heal_mb"] > 0, f"{run}"
@@ -239,9 +239,6 @@ def test_two_workers_killed_together(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "decent_train bug: two console lines name fault_tolerance.min_workers, rank 0's warning "
-    "(training/live_changes.py, LiveTraining._stop) and the launcher's error"))
 def test_below_min_workers_the_run_stops_with_a_checkpoint(tmp_path: Path) -> None:
     run = launch(tmp_path, "fault_tolerance.min_workers=4", signals=[Signal(at_step(KILL_AT), signal.SIGKILL, [3])])
     assert run.returncode != 0, f"{run}"
@@ -263,7 +260,9 @@ def test_below_min_workers_the_run_stops_with_a_checkpoint(tmp_path: Path) -> No
 
 @pytest.mark.slow
 def test_a_replacement_killed_while_it_joins_is_replaced_again(tmp_path: Path) -> None:
-    run = launch(tmp_path, "launch.max_restarts=2", signals=[
+    # A joiner killed after it published its reconfigure handle holds the members in gloo's reconfiguration until
+    # comm_timeout_s (FAULT_TOLERANCE.md, limits): 20 s here instead of 300.
+    run = launch(tmp_path, "launch.max_restarts=2", "comm_timeout_s=20", signals=[
         Signal(at_step(KILL_AT), signal.SIGKILL, [2]),
         Signal(joining(4), signal.SIGKILL, [4]),
     ])
@@ -273,4 +272,4 @@ def test_a_replacement_killed_while_it_joins_is_replaced_again(tmp_path: Path) -
     changes = run.result["membership_changes"]
     lost = [(x["member"], x["why"]) for c in changes for x in c["lost"]]
     assert lost == [(2, "killed by SIGKILL"), (4, "killed by SIGKILL")], f"{run}"
-    assert changes[0]["committed"] and changes[0]["step"] > run.sent[0][0], f"{run}"
+    assert changes[0]["step"] > run.sent[0][0], f"{run}"

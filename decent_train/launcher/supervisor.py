@@ -229,7 +229,7 @@ class Supervisor:
 
     def _summary(self) -> list[dict[str, Any]]:
         """Each change the members went through: the plans a later one superseded before they took effect count
-        in it (ranks are those in the members before the change)."""
+        in it (ranks are those in the members before the change; None for a joiner lost before it was in)."""
         summary, previous, lost = [], self.changes[0].plan.members, {}
         for change in self.changes[1:]:
             plan = change.plan
@@ -238,8 +238,8 @@ class Supervisor:
                 continue
             record: dict[str, Any] = {
                 "epoch": plan.epoch,
-                "lost": [{"rank": previous.index(m), "member": m, "why": why} for m, why in lost.items()
-                         if m in previous],
+                "lost": [{"rank": previous.index(m) if m in previous else None, "member": m, "why": why}
+                         for m, why in lost.items()],  # rank None: a joiner lost before it was in
                 "joined": [{"member": m, "donor_rank": previous.index(plan.donors[m])} for m in plan.joined],
                 "members": len(plan.members),
             }
