@@ -64,6 +64,7 @@ class Supervisor:
     workers: dict[int, _Worker] = field(default_factory=dict)
     changes: list[_Change] = field(default_factory=list)
     finished: set[int] = field(default_factory=set)
+    lost_at_end: set[int] = field(default_factory=set)  # members lost once another had finished training
 
     def __post_init__(self) -> None:
         self.ft, self.launch = self.cfg.fault_tolerance, self.cfg.launch
@@ -88,7 +89,9 @@ class Supervisor:
         process = subprocess.Popen([sys.executable, "-u", "-m", WORKER_MODULE, str(self.config_path)], env=env)
         self.workers[member] = _Worker(member, process, time.monotonic())
         pids = {w.id: w.process.pid for w in self.workers.values()}
-        (self.run_dir / WORKERS_FILE).write_text(json.dumps(pids) + "\n")  # who to kill, for chaos tests
+        partial = self.run_dir / f"{WORKERS_FILE}.partial"
+        partial.write_text(json.dumps(pids) + "\n")
+        os.replace(partial, self.run_dir / WORKERS_FILE)  # who to kill, for chaos tests: never read half-written
         return member
 
     def _stop_all(self) -> None:
@@ -151,13 +154,14 @@ class Supervisor:
             )
         lost = self._lost(plan)
         if lost and self.finished:  # training is over (a member finished): nothing to plan for
-            logger.warning(f"lost after the end of training: {lost}")
-            return all(m in self.finished or m in lost for m in plan.members)
+            if set(lost) - self.lost_at_end:
+                logger.warning(f"lost after the end of training: {lost}")
+            self.lost_at_end |= set(lost)
+        if self.finished:
+            return all(m in self.finished or m in self.lost_at_end for m in plan.members)
         if lost:
             self._plan_without(plan, lost)
             return False
-        if all(m in self.finished for m in plan.members):
-            return True
         change = self.changes[-1]
         if change.committed is None and self.store.add(Keys.commit(plan.epoch), 0) >= len(plan.members):
             change.committed = time.time()
