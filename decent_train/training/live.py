@@ -2,14 +2,10 @@
 step boundaries. The protocol in full, and why: ``decent_train/FAULT_TOLERANCE.md``.
 
 Every membership is an *epoch* with a plan the coordinator writes into its store (it lives in the launcher, which no
-worker failure takes down). A worker heartbeats from a thread of its own and reads the newest epoch there. When a
-newer plan appears, the worker reports the step it stopped at; the coordinator names the largest as the change's
-step ``E``, the workers behind train on to it (their messages from a dead peer settle as missing, engine/modes.py),
-and at ``E`` every member completes and drops its exchange in flight, the default group is reconfigured over the
-plan's members, a donor sends its state to each joiner, all commit, and gossip goes on over the new topology.
-
-Steps whose records, evaluation or checkpoint need every member start with a barrier in the store: nobody runs a
-collective with a member that may be dead, and nobody passes such a step before the others reach it.
+worker failure takes down). A worker heartbeats from a thread of its own and reads the newest epoch there. The
+members change only at a record step: there they meet in a barrier in the store, and one verdict says whether they
+change at that step (a newer plan is out) or go on; nobody passes such a step without every member, so all change
+at the same step. The same barrier (a fence) comes before each collective that follows local work in the step.
 """
 
 from __future__ import annotations
@@ -267,10 +263,9 @@ class LiveMembership:
         return plan
 
     def wait_for_newer_plan(self) -> None:
-        """A peer failed during the change: the coordinator will plan without it."""
-        while not self.newer_plan():
+        """A peer failed during the change: wait for the coordinator's plan without it."""
+        while self._newest_epoch() <= self.plan.epoch:
             time.sleep(POLL_S)
-        raise PlanSuperseded
 
 
 def send_state(state: dict[str, Any], rank: int) -> int:

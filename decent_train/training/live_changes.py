@@ -101,8 +101,9 @@ class LiveTraining:
                 state, nbytes = receive_state(rank_of(plan, plan.donors[live.id]))
                 live.commit()
                 break
-            except (RuntimeError, PlanSuperseded):
-                plan = live.enter()  # the donor or another member died: the next plan heals from another
+            except (RuntimeError, PlanSuperseded):  # the donor or another member died: a newer plan heals it again
+                live.wait_for_newer_plan()
+                plan = live.enter()
         job.algo.net.load_state_dict(state["model"])
         job.algo.load_state_dict({**state["algorithm"], "averaged_from": 1})
         step = state["step"]
@@ -130,6 +131,7 @@ class LiveTraining:
             nbytes = send_state(state, rank_of(plan, joiner))
         except RuntimeError:  # the joiner died: the coordinator plans without it
             self.live.wait_for_newer_plan()
+            raise PlanSuperseded from None
         return {"heal_mb": round(nbytes / 2**20, 3), "heal_s": round(time.perf_counter() - start, 3)}
 
     def _data_taken(self, step: int) -> int:
