@@ -39,15 +39,15 @@ def preflight(cfg: TrainConfig) -> None:
 def check_live(cfg: TrainConfig) -> None:
     """``fault_tolerance=live`` needs torch's reconfigurable process groups, and the data must shard over every
     number of members the run may shrink to (down to ``fault_tolerance.min_workers``)."""
-    if not reconfigure.supported():
-        raise ValueError(f"fault_tolerance=live needs torch >= 2.14 (reconfigurable process groups); this is torch "
-                         f"{torch.__version__}")
     if cfg.launch.nproc_per_node is not None:
         cfg.dataset.check_partition(list(range(cfg.fault_tolerance.min_workers, cfg.launch.nproc_per_node + 1)))
         if cfg.build_topology(world_size=cfg.launch.nproc_per_node).is_staged:
             raise ValueError(f"fault_tolerance=live with topology={cfg.topology.name} laid out over nodes of "
                              f"{cfg.topology.local_world_size}: its rounds have two stages; live membership gossips "
                              "in one-stage rounds (ring, complete, one-peer-exp, alternating-exp-ring)")
+    if not reconfigure.supported():
+        raise ValueError(f"fault_tolerance=live needs torch >= 2.14 (reconfigurable process groups); this is torch "
+                         f"{torch.__version__}")
 
 
 def check_topologies(cfg: TrainConfig) -> None:
