@@ -1,6 +1,6 @@
-"""``fault_tolerance=live`` end to end: ``decent-train`` launched for real, its workers signalled mid-run the way
-/tmp/ft/kill.py does it (the pids the supervisor writes into RUN_DIR/workers.json, once metrics.jsonl reaches a step),
-and what the run then did read back from its console, metrics.jsonl, result.json, workers.json and checkpoints.
+"""``fault_tolerance=live`` end to end: ``decent-train`` launched for real, its workers signalled mid-run (the pids
+the supervisor writes into RUN_DIR/workers.json, once metrics.jsonl reaches a step), and what the run then did read
+back from its console, metrics.jsonl, result.json, workers.json and checkpoints.
 
 Each launch is the default job (4 workers, ring, 1200 steps: about 20 s on 2 cores) and each is bounded by a
 deadline: on expiry the launcher's session (its workers with it) is killed and the test fails with the console and
@@ -24,9 +24,12 @@ from typing import Any
 import pytest
 
 from decent_train.components.checkpoint import complete_checkpoints
+from decent_train.engine import reconfigure
 
 from .jobs import COMMAND, records
 from .test_elastic import alive
+
+pytestmark = pytest.mark.skipif(not reconfigure.supported(), reason="live membership needs torch >= 2.14")
 
 STEPS = 1200
 KILL_AT = 200  # the signal goes out once metrics.jsonl has a record at this step or later
