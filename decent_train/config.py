@@ -529,20 +529,21 @@ class TrainConfig:
         self.topology.import_module()
         world_size = world_size or self.launch.world_size
         if self.fault_tolerance.live and name is None:
-            return build_topology(*self.live_topology(world_size), rank=0)
+            name, local = self.live_topology(world_size)
+            return build_topology(name, world_size, local)
         local = self.topology.local_world_size or self.launch.nproc_per_node
         return build_topology(name or self.topology.name, world_size, local)
 
-    def live_topology(self, world_size: int) -> tuple[str, int, int]:
-        """``fault_tolerance=live`` (one node): (topology, world size, workers per node) gossiped over by
-        ``world_size`` members: ``topology.name`` if it serves that many, else ring."""
+    def live_topology(self, world_size: int) -> tuple[str, int]:
+        """``fault_tolerance=live`` (one node): (topology, workers per node) gossiped over by ``world_size``
+        members: ``topology.name`` if it serves that many, else ring."""
         configured = self.topology.local_world_size
         local = world_size if configured is None or configured >= world_size else configured
         try:
             build_topology(self.topology.name, world_size, local)
         except ValueError:
-            return "ring", world_size, world_size
-        return self.topology.name, world_size, local
+            return "ring", world_size
+        return self.topology.name, local
 
 
 def check_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:

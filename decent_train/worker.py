@@ -36,11 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     run_dir = Path(cfg.run.output_dir) if cfg.run.output_dir else config_path.parent
     live = None
     if STORE_ENV in os.environ:  # fault_tolerance=live: the launcher's coordinator says who is in the run
-        # Every collective of a live run follows a barrier of the members, so it gets the exchanges' limit: one
-        # that a member died in stalls the others no longer than that.
         store, member = connect(timedelta(seconds=cfg.pg_timeout_s))
-        comm_timeout = timedelta(seconds=cfg.comm_timeout_s)
-        live = LiveMembership(store, member, comm_timeout, comm_timeout)
+        live = LiveMembership(store, member, timedelta(seconds=cfg.comm_timeout_s))
         live.start()  # train() joins the members once its model is built
         device = torch.device("cpu")
         setup_worker_logging(run_dir, member, cfg.logger, name=f"member{member}")  # founders: member id = rank

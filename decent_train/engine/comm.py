@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 __all__ = [
     "CommWaits",
+    "first_line",
     "PairPoster",
     "ExchangeError",
     "peers_must_answer",
@@ -27,6 +28,11 @@ __all__ = [
 
 class ExchangeError(RuntimeError):
     """An exchange or collective between workers failed or timed out: a peer hangs or died."""
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message (gloo's and inductor's run over many), or its type's name."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 @contextlib.contextmanager
@@ -45,9 +51,9 @@ def peers_must_answer(what: str | Callable[[], str], timeout: timedelta | None =
     except RuntimeError as error:
         rank = dist.get_rank() if dist.is_initialized() else 0
         limit = f", limit {timeout.total_seconds():g} s" if timeout is not None else ""
-        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
         described = what if isinstance(what, str) else what()
-        raise ExchangeError(f"rank {rank}: {described} failed (a peer hangs or died{limit}): {first_line}") from error
+        raise ExchangeError(f"rank {rank}: {described} failed (a peer hangs or died{limit}): {first_line(error)}") \
+            from error
 
 
 class CommWaits:

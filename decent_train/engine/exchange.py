@@ -152,7 +152,7 @@ class Exchanger:
         n = len(peers)
         return [PeerMessages(peer, [works[i], works[n + i]], slot) for i, (peer, slot) in enumerate(zip(peers, slots))]
 
-    def settle(self, bucket: ExchangeBuffers, edge: Edge, value: Tensor, arrived: list[Any], failed: list[Any]) -> None:
+    def settle(self, bucket: ExchangeBuffers, edge: Edge, value: Tensor, failed: list[PeerMessages]) -> None:
         """Point to point, once every message was waited on: each failed peer's slot gets this worker's own ``value``
         (compressed: an empty difference), and a group's values are summed into ``comm`` (what an all-reduce gives)."""
         for messages in failed:

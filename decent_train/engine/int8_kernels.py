@@ -24,6 +24,8 @@ import torch
 from loguru import logger
 from torch import Tensor
 
+from decent_train.engine.comm import first_line
+
 __all__ = ["COMPILED_INT8_ENV", "Int8Kernels", "compiled_int8_choice", "compiled_int8_kernels"]
 
 COMPILED_INT8_ENV = "DECENT_TRAIN_COMPILED_INT8"
@@ -117,8 +119,7 @@ def _run(eager: Callable[..., Any], *args: Any) -> Any:
             return _compiled[eager](*args)
         except Exception as error:  # noqa: BLE001 -- inductor's failures (no compiler, no Triton) have many types
             _compile_failed = True
-            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            logger.warning(f"int8 gossip: torch.compile failed ({first_line}); running the eager kernels instead")
+            logger.warning(f"int8 gossip: torch.compile failed ({first_line(error)}); running the eager kernels instead")
     return eager(*args)
 
 

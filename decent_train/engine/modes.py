@@ -14,13 +14,12 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from loguru import logger
 from torch import Tensor
 from torch.autograd.profiler import record_function
 
-from loguru import logger
-
 from decent_train.engine.buckets import Bucket, PendingExchange
-from decent_train.engine.comm import CommWaits, peers_must_answer
+from decent_train.engine.comm import CommWaits, first_line, peers_must_answer
 from decent_train.engine.exchange import Exchanger, PeerMessages
 from decent_train.engine.membership import Membership
 from decent_train.engine.steps import BucketSteps
@@ -78,24 +77,22 @@ class ModeContext:
         self, messages: list[PeerMessages], bucket: Bucket, edge: Edge, value: Tensor, note: bool = True
     ) -> None:
         """Wait for each peer's messages; one that fails (the peer died) is settled as missing, not raised."""
-        arrived, failed = [], []
+        failed = []
         for peer_messages in messages:
             try:
                 with record_function("decent_train.wait"):
                     self.waits.wait([peer_messages], bucket.flat.device)
-                arrived.append(peer_messages)
             except RuntimeError as error:
                 failed.append(peer_messages)
                 step, peer = self.progress.step, peer_messages.peer
                 if not note:
                     continue
                 if not any(p == peer for _, _, p in self.missed):
-                    first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-                    first_line = first_line.split(". This is typically")[0]  # gloo's advice: not for a dead peer
+                    why = first_line(error).split(". This is typically")[0]  # gloo's advice: not for a dead peer
                     logger.warning(f"rank {self.members.rank}: no message from rank {peer} at step {step} (bucket "
-                                   f"{bucket.index}): {first_line}; its weight stays here until the members change")
+                                   f"{bucket.index}): {why}; its weight stays here until the members change")
                 self.missed.append((step, bucket.index, peer))
-        self.exchanger.settle(bucket, edge, value, arrived, failed)
+        self.exchanger.settle(bucket, edge, value, failed)
 
     def complete_pending(self, bucket: Bucket) -> None:
         """Complete an exchange but keep it pending, so its data is still mixed in at the next step."""

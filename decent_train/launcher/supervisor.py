@@ -42,7 +42,6 @@ WORKERS_FILE = "workers.json"  # member id -> pid of every worker process starte
 class _Worker:
     id: int
     process: subprocess.Popen[bytes]
-    started: float
     last_beat: float = 0.0
     beats: int = 0
     said_hello: bool = False
@@ -51,7 +50,7 @@ class _Worker:
 @dataclass
 class _Change:
     plan: Plan
-    committed: float | None = None
+    committed: bool = False  # every member of the plan is done with the change
 
 
 @dataclass
@@ -87,7 +86,7 @@ class Supervisor:
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(self.threads)),
         }
         process = subprocess.Popen([sys.executable, "-u", "-m", WORKER_MODULE, str(self.config_path)], env=env)
-        self.workers[member] = _Worker(member, process, time.monotonic())
+        self.workers[member] = _Worker(member, process)
         pids = {w.id: w.process.pid for w in self.workers.values()}
         partial = self.run_dir / f"{WORKERS_FILE}.partial"
         partial.write_text(json.dumps(pids) + "\n")
@@ -163,17 +162,17 @@ class Supervisor:
             self._plan_without(plan, lost)
             return False
         change = self.changes[-1]
-        if change.committed is None and self.store.add(Keys.commit(plan.epoch), 0) >= len(plan.members):
-            change.committed = time.time()
+        if not change.committed and self.store.add(Keys.commit(plan.epoch), 0) >= len(plan.members):
+            change.committed = True
         joiners = [w.id for w in self.workers.values()
                    if w.id not in plan.members and w.process.poll() is None and self.store.check([Keys.hello(w.id)])]
-        if joiners and change.committed is not None and not self.finished:  # not once training is over
+        if joiners and change.committed and not self.finished:  # not once training is over
             self._plan(plan.members, joiners)
         return False
 
     def _established(self) -> list[int]:
         """The members of the newest committed plan (the ones that can heal a joiner)."""
-        return next((c.plan.members for c in reversed(self.changes) if c.committed is not None),
+        return next((c.plan.members for c in reversed(self.changes) if c.committed),
                     self.changes[0].plan.members)
 
     def _plan(self, members: list[int], joiners: list[int], lost: dict[int, str] | None = None) -> None:
@@ -238,7 +237,7 @@ class Supervisor:
         for change in self.changes[1:]:
             plan = change.plan
             lost |= plan.lost
-            if change.committed is None:
+            if not change.committed:
                 continue
             record: dict[str, Any] = {
                 "epoch": plan.epoch,

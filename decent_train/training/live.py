@@ -114,12 +114,12 @@ def connect(timeout: timedelta) -> tuple[dist.Store, int]:
 
 
 class LiveMembership:
-    """This worker's side of the coordinator's plans. ``timeout``: a point-to-point message's limit (gloo takes it
-    from the reconfiguration); ``collective_timeout``: the default group's collectives'."""
+    """This worker's side of the coordinator's plans. ``timeout``: the limit of a message (gloo takes it from the
+    reconfiguration) and of a collective of the default group: every collective of a live run follows a barrier of
+    the members, so one that a member died in stalls the others no longer than that."""
 
-    def __init__(self, store: dist.Store, member_id: int, timeout: timedelta, collective_timeout: timedelta):
+    def __init__(self, store: dist.Store, member_id: int, timeout: timedelta):
         self.store, self.id, self.timeout = store, member_id, timeout
-        self.collective_timeout = collective_timeout
         self.plan: Plan | None = None  # the epoch this worker is in
         self._fences = 0  # fences met in this epoch (every member meets them in the same order)
         self._newest = -1  # the newest epoch the heartbeat thread saw
@@ -166,7 +166,7 @@ class LiveMembership:
     # -- joining ------------------------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the reconfigurable group (no peer is contacted yet)."""
-        reconfigure.join(self.store, self.id, self.collective_timeout)
+        reconfigure.join(self.store, self.id, self.timeout)
 
     def join(self) -> Plan:
         """Announce this worker (ready: its model is built) and :meth:`enter` the first plan that has it."""

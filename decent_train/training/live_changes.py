@@ -152,7 +152,8 @@ class LiveTraining:
 
     def _regossip(self) -> None:
         cfg = self.job.cfg
-        name, world, local = cfg.live_topology(dist.get_world_size())
+        world = dist.get_world_size()
+        name, local = cfg.live_topology(world)
         if name != cfg.topology.name:
             logger.warning(f"topology {cfg.topology.name} cannot serve {world} workers; gossiping over {name}")
         self.job.algo.membership_changed(name, local)

@@ -56,7 +56,7 @@ def train(
     joining = live is not None and live.joining
     if joining:  # built over the members now; the donor's state replaces what it starts with
         seed_joiner(cfg.seed, live.id)
-        name, _, local = cfg.live_topology(world)
+        name, local = cfg.live_topology(world)
         cfg = dataclasses.replace(cfg, topology=dataclasses.replace(cfg.topology, name=name, local_world_size=local))
     checkpoint, state = (None, None) if joining else load_checkpoint(cfg, run_dir, algorithm)
     start_step = checkpoint.step if checkpoint is not None else 0  # this run's own (a restart), or cfg.resume's
