@@ -33,13 +33,14 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from decent_train.algorithms.outer_exchange import (
     Fragment, InFlight, OuterExchange, OuterGroup, payload_kind, split_parameters,
 )
 from decent_train.engine.compress import Compressor, check_consensus_step, make_compressor
-from decent_train.engine.membership import Membership, TopologySpec
+from decent_train.engine.membership import Membership, TopologySpec, local_part
 
 __all__ = ["DiLoCo", "LocalSGD", "check_local_steps_arguments"]
 
@@ -66,6 +67,21 @@ def check_local_steps_arguments(sync_every: Any, fragments: Any, fragment_sync_d
                          "local parameters against the outer step's result)")
 
 
+def replicas_of(mesh: DeviceMesh | None) -> tuple[int, Any]:
+    """(ranks per replica, this rank's replicate group) of a 2-D mesh (replicate, shard) that FSDP2 shards a model
+    over with ``fully_shard(..., mesh=mesh["shard"])``; (1, None) without a mesh. Its replicas must be consecutive
+    ranks (``init_device_mesh(device, (replicas, shard))``'s layout), as the topologies count them."""
+    if mesh is None:
+        return 1, None
+    if mesh.ndim != 2:
+        raise ValueError(f"mesh: a 2-D mesh (replicate, shard) is needed; got {mesh.ndim} dimensions")
+    replicas, shard = mesh.mesh.shape
+    if not torch.equal(mesh.mesh.flatten().cpu(), torch.arange(replicas * shard)):
+        raise ValueError(f"mesh: replicas must be consecutive ranks (init_device_mesh(device, ({replicas}, {shard}))); "
+                         f"got {mesh.mesh.tolist()}")
+    return int(shard), mesh.get_group(0) if replicas > 1 else None
+
+
 class DiLoCo:
     """``with DiLoCo(model, inner, outer, sync_every=H, topology="complete"):`` around a training loop that calls
     ``inner.step()``. ``outer`` must be built over the model's parameters (torchft's convention). ``fragments``: a
@@ -90,6 +106,7 @@ class DiLoCo:
         int8_block: int = 256,
         local_world_size: int | None = None,
         timeout: float | None = None,
+        mesh: DeviceMesh | None = None,
     ):
         count = fragments if isinstance(fragments, int) else len(fragments)
         check_local_steps_arguments(sync_every, count, fragment_sync_delay, fragment_update_alpha)
@@ -107,13 +124,18 @@ class DiLoCo:
                 raise ValueError(
                     f"the outer optimizer must be built over the model's parameters; it lacks {missing[0]}"
                 )
-        parts = split_parameters(named, fragments)
+        shard, replicate_group = replicas_of(mesh)
+        if shard > 1 and self.anchored:
+            raise ValueError("DiLoCo over a sharded model (mesh=) is not supported yet: its outer optimizer steps the "
+                             "DTensor parameters; use LocalSGD or Gossip")
+        parts = [[local_part(p) for p in part] for part in split_parameters(named, fragments)]
         self.model, self.inner, self.outer, self.sync_every = model, inner, outer, sync_every
         self.period, self.delay, self.alpha = sync_every // count, fragment_sync_delay, fragment_update_alpha
-        self.members = Membership(local_world_size, timedelta(seconds=timeout) if timeout is not None else None)
-        state = list(model.named_parameters()) + list(model.named_buffers())
+        self.members = Membership(local_world_size, timedelta(seconds=timeout) if timeout is not None else None,
+                                  shard=shard, replicate_group=replicate_group)
+        state = [(n, local_part(t)) for n, t in [*model.named_parameters(), *model.named_buffers()]]
         self.members.check_same_model(state)
-        self.members.broadcast_from_rank0([t.data for _, t in state])  # all start from rank 0's
+        self.members.broadcast_from_rank0([t.detach() for _, t in state])  # all start from rank 0's (sharded: replica 0's)
         device = next((p.device for _, p in named if p.device.type == "cuda"), torch.device("cpu"))
         self.members.create_exchange_group(device)
         self.topology = self.members.topology(topology)

@@ -17,11 +17,18 @@ import torch.distributed as dist
 from torch import Tensor
 
 from decent_train.engine.comm import peers_must_answer, run_collective
-from decent_train.engine.topology import Topology, get_topology_class
+from decent_train.engine.topology import ShardedTopology, Topology, get_topology_class
 
-__all__ = ["Membership"]
+__all__ = ["Membership", "local_part"]
 
 TopologySpec = str | Topology | type[Topology]
+
+
+def local_part(tensor: Tensor) -> Tensor:
+    """What of ``tensor`` this rank holds: a DTensor's local shard, detached (FSDP2's parameters; a view, so writing
+    it writes the parameter), else the tensor itself."""
+    local = getattr(tensor, "to_local", None)
+    return local().detach() if local is not None else tensor
 
 
 class Membership:
@@ -29,15 +36,54 @@ class Membership:
 
     ``exchange_group`` is the group pairs exchange and gradients are averaged in: None (the default group), or on a
     GPU with a time limit a world-wide group that carries it (NCCL's watchdog enforces it; the host never waits).
+
+    ``shard`` > 1: every ``shard`` consecutive ranks form one replica of a sharded model (FSDP2), rank ``r * shard
+    + s`` holding its shard ``s``. Topologies then run over the replicas (``ShardedTopology``), and the collectives
+    over "all members" run over ``replicate_group``: the ranks holding this rank's shard in every replica.
     """
 
-    def __init__(self, local_world_size: int | None, timeout: timedelta | None, point_to_point: bool = False):
+    def __init__(
+        self, local_world_size: int | None, timeout: timedelta | None, point_to_point: bool = False, shard: int = 1,
+        replicate_group: dist.ProcessGroup | None = None,
+    ):
         self.local_world_size = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        self.shard = shard
         self.refresh()
         self.timeout = timeout
         self.point_to_point = point_to_point  # every group exchanges by messages: topologies need no process groups
         self.group_timeout: timedelta | None = None  # the engine's own groups' (set by ``create_exchange_group``)
         self.exchange_group: dist.ProcessGroup | None = None
+        if self.world_size % shard or self.local_world_size % shard:
+            raise ValueError(f"shard={shard} must divide the {self.world_size} workers and the "
+                             f"{self.local_world_size} per node")
+        self.replicate_group = replicate_group if shard > 1 else None
+        if shard > 1 and replicate_group is None and self.replicas > 1:
+            self.replicate_group = self._make_replicate_group()
+
+    @property
+    def replicas(self) -> int:
+        """Copies of the model being trained (workers, unsharded)."""
+        return self.world_size // self.shard
+
+    @property
+    def replica(self) -> int:
+        """The replica this rank holds a shard of: its rank in the topology."""
+        return self.rank // self.shard
+
+    @property
+    def first_of_shard(self) -> int:
+        """The rank of replica 0 holding this rank's shard: the source of broadcasts (rank 0 unsharded)."""
+        return self.rank % self.shard
+
+    def _make_replicate_group(self) -> dist.ProcessGroup:
+        """This rank's same-position ranks of every replica (collective: every rank makes each group in turn)."""
+        mine = None
+        for position in range(self.shard):
+            group = dist.new_group([r * self.shard + position for r in range(self.replicas)])
+            if position == self.first_of_shard:
+                mine = group
+        assert mine is not None
+        return mine
 
     def refresh(self, local_world_size: int | None = None) -> None:
         """Read the members from the default group again (after it was reconfigured: live membership), with
@@ -70,12 +116,16 @@ class Membership:
         if key in self._topologies:
             return self._topologies[key]
         if isinstance(spec, Topology):
-            if spec.world_size != self.world_size:
-                raise ValueError(f"topology built for {spec.world_size} workers, but the world has {self.world_size}")
+            if spec.world_size != self.replicas:
+                raise ValueError(f"topology built for {spec.world_size} workers, but the world has {self.replicas}"
+                                 + (" replicas" if self.shard > 1 else ""))
             topology = spec
         else:
             cls = spec if isinstance(spec, type) else get_topology_class(spec)
-            topology = cls(local_world_size=self.local_world_size, world_size=self.world_size, rank=self.rank)
+            topology = cls(local_world_size=self.local_world_size // self.shard, world_size=self.replicas,
+                           rank=self.replica)
+        if self.shard > 1:
+            topology = ShardedTopology(topology, self.shard, self.rank)
         if self.world_size > 1 and not self.point_to_point:
             timeout = self.group_timeout  # passed only when set: a subclass may override create_groups()
             kwargs = {"timeout": timeout, "world_group": self.exchange_group} if timeout is not None else {}
@@ -84,28 +134,34 @@ class Membership:
         return topology
 
     def check_same_model(self, tensors: list[tuple[str, Tensor]]) -> None:
-        """Every member holds tensors of the same names, shapes and dtypes as rank 0."""
-        if self.world_size == 1:
+        """Every member holds tensors of the same names, shapes and dtypes as rank 0 (sharded: as the rank of replica 0
+        holding the same shard)."""
+        if self.replicas == 1:
             return
         mine = [(n, tuple(t.shape), str(t.dtype)) for n, t in tensors]
         theirs = [mine]
-        dist.broadcast_object_list(theirs, src=0)
+        source = self.first_of_shard
+        dist.broadcast_object_list(theirs, src=source, group=self.replicate_group)
         for here, there in itertools.zip_longest(mine, theirs[0]):
             if here != there:
-                raise RuntimeError(f"rank {self.rank}'s model differs from rank 0's: {here} here, {there} on rank 0")
+                raise RuntimeError(
+                    f"rank {self.rank}'s model differs from rank {source}'s: {here} here, {there} on rank {source}"
+                )
 
     @torch.no_grad()
     def broadcast_from_rank0(self, tensors: list[Tensor]) -> None:
-        if self.world_size > 1:
+        """Every member takes rank 0's ``tensors`` (sharded: each takes replica 0's of its shard)."""
+        if self.replicas > 1:
             for tensor in tensors:
-                run_collective(dist.broadcast, tensor, src=0)
+                run_collective(dist.broadcast, tensor, src=self.first_of_shard, group=self.replicate_group)
 
     def average_(self, tensor: Tensor, what: str | Callable[[], str]) -> None:
-        """``tensor`` <- its average over all members (blocking); ``what`` names the collective if a peer fails."""
-        if self.world_size > 1:
+        """``tensor`` <- its average over all members (sharded: over the replicas; blocking); ``what`` names the
+        collective if a peer fails."""
+        if self.replicas > 1:
             with peers_must_answer(what, self.timeout):
-                run_collective(dist.all_reduce, tensor)
-            tensor.div_(self.world_size)
+                run_collective(dist.all_reduce, tensor, group=self.replicate_group)
+            tensor.div_(self.replicas)
 
     def average_tensors_(self, tensors: list[Tensor], what: str | Callable[[], str]) -> None:
         """Average ``tensors`` over all members in place, with one all-reduce per dtype and device."""

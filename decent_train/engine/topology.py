@@ -34,6 +34,7 @@ __all__ = [
     "topology_names",
     "get_topology_class",
     "build_topology",
+    "ShardedTopology",
 ]
 
 
@@ -506,3 +507,40 @@ class HierarchicalTopology(Topology):
             ]
             rounds.append([between, within] if local > 1 else [between])
         return rounds
+
+
+class ShardedTopology(Topology):
+    """``base`` gossiped over replicas of ``shard`` consecutive ranks each (FSDP2 shards a model over them): rank
+    ``r * shard + s`` holds shard ``s`` of replica ``r`` and exchanges it with shard ``s`` of the replicas ``base``
+    groups replica ``r`` with. So it is ``shard`` copies of ``base``, one per shard position, over the world's ranks:
+    the engine's exchange and process groups work unchanged, and every message is a shard (1/``shard`` of the model).
+
+    The analysis (``spectral_gap``, ``label``) is ``base``'s: the copies never mix with each other, so the matrix over
+    all ranks has ``shard`` eigenvalues of 1 by construction.
+    """
+
+    def __init__(self, base: Topology, shard: int, rank: int | None = None):
+        if shard < 1:
+            raise ValueError(f"shard={shard} must be >= 1 (ranks per replica)")
+        self.base, self.shard = base, shard
+        self.name = base.name  # type: ignore[misc]
+        super().__init__(base.local_world_size * shard, base.world_size * shard, rank)
+        if self._rank // shard != base._rank:
+            raise ValueError(f"rank {self._rank} is in replica {self._rank // shard}, but base was built for replica "
+                             f"{base._rank}")
+
+    def _get_topo_stages(self) -> list[Stages]:
+        k = self.shard
+        return [
+            [[Edge([r * k + s for r in e.ranks], e.weight) for s in range(k) for e in edges] for edges in stages]
+            for stages in self.base.stages
+        ]
+
+    def spectral_gap(self) -> float:
+        return self.base.spectral_gap()
+
+    @property
+    def label(self) -> str:
+        """``base``'s label over the replicas, and the shards of each, e.g. ``ring: 2 workers (1 nodes x 2) x 2
+        shards``."""
+        return f"{self.base.label} x {self.shard} shards"

@@ -1,0 +1,73 @@
+"""Per-step gossip over the user's own optimizer, on whole or FSDP2-sharded models: ``with Gossip(model, optimizer,
+topology="ring", mesh=mesh):`` around a loop that calls ``optimizer.step()``.
+
+What a step computes (worker or replica i, W the topology's round s mod period)::
+
+    x_i <- Σ_j W_ij x_j        (the optimizer's step pre-hook: the exchange of x^s, in flight since the last step)
+    x_i <- optimizer step at that x with the gradient computed at x^s      (the user's optimizer)
+    start the exchange of x^{s+1}       (the step post-hook: it runs during the next forward and backward)
+
+That is the engine's update (``x^{s+1} = W x^s − U(∇f(x^s))``, decent-dp's), with the optimizer stepping whole after
+backward instead of per bucket inside it.
+
+Why a front rather than the engine for sharded models: FSDP2 owns the parameters' storage (each rank holds a DTensor
+shard; the whole parameter exists only between its all-gather and its free), so the engine's flat buckets of
+parameters and its hooks in backward cannot hold them. The exchange here works on the local shards between two
+optimizer steps, when FSDP2 is not using them, and never gathers a parameter. With ``mesh`` (2-D: replicate, shard),
+the topology runs over the replicas and each rank swaps its shard with the same shard of the replicas its replica
+mixes with (``ShardedTopology``): every message is 1/shard of the model. Compression applies to those messages
+(CHOCO's public copies per shard).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from decent_train.algorithms.local_steps import LocalSGD
+from decent_train.engine.membership import TopologySpec
+
+__all__ = ["Gossip"]
+
+
+class Gossip(LocalSGD):
+    """``with Gossip(model, optimizer, topology="ring"):``: every ``optimizer.step()`` mixes the parameters over one
+    round of ``topology`` first (see the module). Keywords as ``LocalSGD``'s (``compression``, ``consensus_step``,
+    ``int8_block``, ``local_world_size``, ``timeout``, ``mesh``); all workers start from rank 0's parameters (sharded:
+    replica 0's)."""
+
+    def __init__(self, model: nn.Module, optimizer: Optimizer, topology: TopologySpec = "ring", **kwargs: Any):
+        super().__init__(model, optimizer, 1, topology, **kwargs)
+        self._pre_handle: Any = None
+
+    def __enter__(self) -> Gossip:
+        self._pre_handle = self.inner.register_step_pre_hook(self._before_step)
+        self._handle = self.inner.register_step_post_hook(self._after_step)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._pre_handle is not None:
+            self._pre_handle.remove()
+            self._pre_handle = None
+        super().__exit__(*exc)
+
+    def _exchange_due(self) -> bool:
+        """An exchange is in flight between any two steps (after the first): the one mixed at the next step."""
+        return self.inner_steps > 0
+
+    @torch.no_grad()
+    def _before_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        if self._in_flight is not None:
+            self.outer_step()  # finish the exchange of x^s and mix: x <- W x^s
+
+    def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        self.inner_steps += 1
+        self._in_flight = self.exchange.start(self._next_fragment())
+
+    def mix_now(self) -> None:
+        """Finish the exchange in flight and mix it in, outside a step (before a checkpoint or the final model, so
+        that nothing is in flight)."""
+        self._before_step(self.inner, (), {})
