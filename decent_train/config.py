@@ -31,7 +31,7 @@ from decent_train.components.optim import OptimConfig, SchedulerConfig
 from decent_train.engine import ALLREDUCE
 from decent_train.engine.compress import COMPRESSORS, make_compressor
 from decent_train.engine.ddp import check_engine_arguments
-from decent_train.engine.topology import Topology, build_topology
+from decent_train.engine.topology import ShardedTopology, Topology, build_topology
 
 PHASE_ALGORITHMS = ("decentralized", ALLREDUCE)  # a phase's engine mode: gossip over a topology, or all-reduce
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # autocast dtypes
@@ -301,6 +301,20 @@ class RunInfo:
     sweep_dir: Optional[str] = None
 
 
+@dataclass
+class ParallelConfig:
+    """``parallel.*``: how the model is laid out over the workers. ``shard`` = K > 1: every K consecutive workers
+    (of one node) hold one replica of the model, sharded by FSDP2 (``fully_shard`` per block), and the topology runs
+    over the replicas: a rank exchanges its shard with the same shard of the replicas its replica mixes with
+    (``algorithms/sharded.py``). 1: every worker holds the whole model (the engine)."""
+
+    shard: int = 1
+
+    def __post_init__(self) -> None:
+        if self.shard < 1:
+            raise ValueError(f"parallel.shard={self.shard} must be >= 1 (workers per model replica)")
+
+
 # TrainConfig's keys that are arguments of the engine too (its name for them): one check, the engine's.
 _ENGINE_ARGUMENTS = {
     "grad_clip_norm": "grad_clip_norm",
@@ -349,6 +363,7 @@ class TrainConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     run: RunInfo = field(default_factory=RunInfo)
 
     def __post_init__(self) -> None:
@@ -374,6 +389,8 @@ class TrainConfig:
         self._check_phases()
         if self.fault_tolerance.live:
             self._check_live()
+        if self.parallel.shard > 1:
+            self._check_sharded()
 
     def _check_sizes(self) -> None:
         for key in ("batch_size", "accum_steps", "eval_batch_size"):
@@ -431,6 +448,35 @@ class TrainConfig:
                 f"fault_tolerance.min_workers={ft.min_workers} is more than the {launch.nproc_per_node} workers "
                 "launched; valid: 1.." + str(launch.nproc_per_node)
             )
+
+    def _check_sharded(self) -> None:
+        """What ``parallel.shard`` > 1 runs with in this version (each refusal names the reason)."""
+        shard, launch, name = self.parallel.shard, self.launch, self.algorithm.name
+        local = self.topology.local_world_size or launch.nproc_per_node
+        refusals = [
+            (name == ALLREDUCE, f"algorithm={name}: all-reducing shards across replicas is FSDP2's HSDP "
+             "(fully_shard over a 2-D mesh); use algorithm=decentralized to gossip them"),
+            (name != "decentralized" and name != ALLREDUCE, f"algorithm={name}: local steps over sharded models are "
+             "not built yet; use algorithm=decentralized"),
+            (launch.nproc_per_node is not None and launch.nproc_per_node % shard != 0,
+             f"launch.nproc_per_node={launch.nproc_per_node}: a replica's workers share a node, so parallel.shard "
+             f"must divide the workers per node; valid: " + ", ".join(
+                 str(k) for k in range(1, (launch.nproc_per_node or 1) + 1) if (launch.nproc_per_node or 1) % k == 0)),
+            (local is not None and local % shard != 0, f"topology.local_world_size={local}: it must be a multiple "
+             "of parallel.shard"),
+            (bool(self.phases), "phases: the engine's all-reduce phases hold whole models; leave phases empty"),
+            (self.global_avg_every > 0, f"global_avg_every={self.global_avg_every}: leave it 0"),
+            (self.fault_tolerance.live, "fault_tolerance=live: live membership runs the engine; use "
+             "fault_tolerance=none"),
+            (self.precision == "fp16", "precision=fp16: FSDP2 needs its own sharded gradient scaler; use "
+             "precision=bf16 or fp32"),
+            (self.compile, "compile=true: not built for sharded models yet; use compile=false"),
+            (self.compression.copy_dtype != "param", f"compression.copy_dtype={self.compression.copy_dtype}: "
+             "sharded gossip keeps its public copies in the parameters' dtype; leave compression.copy_dtype=param"),
+        ]
+        for refused, why in refusals:
+            if refused:
+                raise ValueError(f"parallel.shard={shard} with {why}")
 
     def _check_phases(self) -> None:
         if not self.phases:
@@ -532,7 +578,15 @@ class TrainConfig:
             name, local = self.live_topology(world_size)
             return build_topology(name, world_size, local)
         local = self.topology.local_world_size or self.launch.nproc_per_node
-        return build_topology(name or self.topology.name, world_size, local)
+        shard = self.parallel.shard
+        if shard == 1:
+            return build_topology(name or self.topology.name, world_size, local)
+        replicas = world_size // shard
+        try:
+            base = build_topology(name or self.topology.name, replicas, (local or shard) // shard)
+        except ValueError as error:
+            raise ValueError(f"over {replicas} replicas (parallel.shard={shard}): {error}") from None
+        return ShardedTopology(base, shard, rank=0)
 
     def live_topology(self, world_size: int) -> tuple[str, int]:
         """``fault_tolerance=live`` (one node): (topology, workers per node) gossiped over by ``world_size``

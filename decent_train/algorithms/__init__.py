@@ -1,9 +1,19 @@
 """Training algorithms: the protocol the loop calls (``base.Algorithm``) and its implementations, registered by the
 ``algorithm=`` name they answer to (``ALGORITHMS``). Importing this package registers them all."""
 
-from decent_train.algorithms import allreduce, decentralized, local_steps_algorithms
+from decent_train.algorithms import allreduce, decentralized, local_steps_algorithms, sharded
 from decent_train.algorithms.base import ALGORITHMS, Algorithm, algorithm_class, register
+from decent_train.config import TrainConfig
 
 __all__ = [
-    "ALGORITHMS", "Algorithm", "algorithm_class", "register", "allreduce", "decentralized", "local_steps_algorithms",
+    "ALGORITHMS", "Algorithm", "algorithm_class", "algorithm_for", "register", "allreduce", "decentralized",
+    "local_steps_algorithms", "sharded",
 ]
+
+
+def algorithm_for(cfg: TrainConfig) -> type[Algorithm]:
+    """The class that runs ``cfg``: ``algorithm=``'s, or over a sharded model (``parallel.shard`` > 1, which the
+    config allows with ``algorithm=decentralized`` only) gossip of the shards."""
+    if cfg.parallel.shard > 1:
+        return sharded.ShardedGossip
+    return algorithm_class(cfg.algorithm.name)

@@ -10,11 +10,16 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import torch
-from torch import nn
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
 
+from decent_train.components.checkpoint import ShardedState
+from decent_train.components.metrics import ConsensusProbe
 from decent_train.config import ALGORITHM_TRAITS, AlgorithmTraits, TrainConfig, register_algorithm
 from decent_train.engine.optimizers import LRSchedulerFn
 
@@ -106,6 +111,35 @@ class Algorithm(ABC):
     @abstractmethod
     def average(self) -> None:
         """Replace every worker's model by the global average for good (the end of training)."""
+
+    def optimizers(self) -> list[Optimizer]:
+        """The optimizers whose state this worker holds (the records' memory)."""
+        return []
+
+    def consensus_probe(self, samples: int, seed: int) -> ConsensusProbe:
+        """What the records' ``consensus/distance`` is measured with: the workers' trainable parameters."""
+        return ConsensusProbe([p for p in self.net.parameters() if p.requires_grad], samples, seed=seed)
+
+    @property
+    def lockstep_group(self) -> dist.ProcessGroup | None:
+        """Ranks that must run the same number of forward passes (a sharded model's replica); None: each its own."""
+        return None
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The model's state on the CPU for ``model.pt`` on rank 0 (empty elsewhere); every rank calls it (a sharded
+        model gathers)."""
+        if dist.get_rank() != 0:
+            return {}
+        return {k: v.cpu() for k, v in self.net.state_dict().items()}
+
+    def sharded_state(self) -> ShardedState | None:
+        """What torch.distributed.checkpoint saves per replica (a sharded model and its optimizer state); None:
+        ``net.state_dict()`` and ``state_dict()`` hold everything, in this worker's file."""
+        return None
+
+    def load_sharded_state(self, directory: Path, replicas: list[int]) -> None:
+        """Continue from ``sharded_state()``'s save in ``directory`` (several ``replicas``: their average)."""
+        raise NotImplementedError(f"algorithm={self.name} saves no sharded state")
 
     def prepare_membership_change(self) -> None:
         """Live membership: between steps, before the default group is reconfigured (nothing may be in flight)."""

@@ -96,6 +96,9 @@ class Decentralized(Algorithm):
     def lr(self) -> float:
         return self.engine.get_lr()
 
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return self.engine.optimizers
+
     def comm_wait_seconds(self) -> float | None:
         return self.engine.comm_wait_seconds
 

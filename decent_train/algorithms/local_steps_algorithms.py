@@ -80,8 +80,9 @@ class DiLoCoConfig(LocalSGDConfig):
 _LOCAL_STEPS = dict(gossips=True, local_steps=True)  # a topology and compression apply; no phases, no fp16
 
 
-class _LocalSteps(Algorithm):
-    """What DiLoCo and LocalSGD share: the inner optimizer and schedule stepped by the loop, the front over them."""
+class FrontAlgorithm(Algorithm):
+    """What the algorithms over a front share (DiLoCo, LocalSGD, sharded gossip): the inner optimizer and schedule
+    stepped by the loop, the front on its step hooks."""
 
     front: local_steps.DiLoCo
 
@@ -106,12 +107,10 @@ class _LocalSteps(Algorithm):
         raise NotImplementedError
 
     def _front_kwargs(self, cfg: TrainConfig) -> dict[str, Any]:
-        """The front's keywords shared by both algorithms: the streaming schedule and the outer exchange's
-        compression."""
+        """The front's keywords every algorithm here shares: the exchange's compression, the layout, the time
+        limit."""
         compression = cfg.compression
         return {
-            "fragments": cfg.algorithm.fragments,
-            "fragment_sync_delay": cfg.algorithm.fragment_sync_delay,
             "compression": None if compression.name == "none" else compression.name,
             "consensus_step": compression.consensus_step,
             "int8_block": compression.int8_block,
@@ -166,6 +165,9 @@ class _LocalSteps(Algorithm):
     def lr(self) -> float:
         return float(self.inner.param_groups[0]["lr"])
 
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.inner]
+
     def bytes_per_step(self) -> float:
         """An outer step's bytes over ``sync_every`` (the front counts what its exchange sends)."""
         return float(self.front.bytes_per_inner_step())
@@ -213,12 +215,13 @@ class _LocalSteps(Algorithm):
 
 
 @register("diloco", traits=AlgorithmTraits(schema=DiLoCoConfig, **_LOCAL_STEPS))
-class DiLoCoAlgorithm(_LocalSteps):
+class DiLoCoAlgorithm(FrontAlgorithm):
     """DiLoCo: the outer optimizer (Nesterov SGD) steps from the mixed anchors with the mixed pseudo-gradients."""
 
     def _build_front(self, cfg: TrainConfig, kwargs: dict[str, Any]) -> local_steps.DiLoCo:
         options = cfg.algorithm
         assert isinstance(options, DiLoCoConfig)
+        kwargs |= {"fragments": options.fragments, "fragment_sync_delay": options.fragment_sync_delay}
         trainable = [p for p in self.net.parameters() if p.requires_grad]
         self.outer = torch.optim.SGD(
             trainable, lr=options.outer_lr, momentum=options.outer_momentum, nesterov=options.nesterov
@@ -228,9 +231,12 @@ class DiLoCoAlgorithm(_LocalSteps):
 
 
 @register("localsgd", traits=AlgorithmTraits(schema=LocalSGDConfig, **_LOCAL_STEPS))
-class LocalSGDAlgorithm(_LocalSteps):
+class LocalSGDAlgorithm(FrontAlgorithm):
     """LocalSGD: the parameters are mixed over the topology every ``sync_every`` inner steps."""
 
     def _build_front(self, cfg: TrainConfig, kwargs: dict[str, Any]) -> local_steps.DiLoCo:
-        return local_steps.LocalSGD(self.net, self.inner, cfg.algorithm.sync_every, cfg.topology.name, **kwargs)
+        options = cfg.algorithm
+        assert isinstance(options, LocalSGDConfig)
+        kwargs |= {"fragments": options.fragments, "fragment_sync_delay": options.fragment_sync_delay}
+        return local_steps.LocalSGD(self.net, self.inner, options.sync_every, cfg.topology.name, **kwargs)
 

@@ -1,7 +1,9 @@
 """Per-step gossip over the user's own optimizer, on whole or FSDP2-sharded models: ``with Gossip(model, optimizer,
 topology="ring", mesh=mesh):`` around a loop that calls ``optimizer.step()``.
 
-What a step computes (worker or replica i, W the topology's round s mod period)::
+What step s computes (worker or replica i; W the topology's round s − 1 mod period: the exchange started after step
+s − 1, numbered by the exchanges before it; the engine numbers the same round s, which matters only when rounds
+differ)::
 
     x_i <- Σ_j W_ij x_j        (the optimizer's step pre-hook: the exchange of x^s, in flight since the last step)
     x_i <- optimizer step at that x with the gradient computed at x^s      (the user's optimizer)
@@ -21,6 +23,8 @@ mixes with (``ShardedTopology``): every message is 1/shard of the model. Compres
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -67,7 +71,12 @@ class Gossip(LocalSGD):
         self.inner_steps += 1
         self._in_flight = self.exchange.start(self._next_fragment())
 
-    def mix_now(self) -> None:
-        """Finish the exchange in flight and mix it in, outside a step (before a checkpoint or the final model, so
-        that nothing is in flight)."""
-        self._before_step(self.inner, (), {})
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Optimizer steps that are not training steps (torch.distributed.checkpoint's state template steps once with
+        lr 0) neither mix nor exchange."""
+        self.__exit__(None, None, None)
+        try:
+            yield
+        finally:
+            self.__enter__()

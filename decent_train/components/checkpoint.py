@@ -10,6 +10,11 @@ naming the file.
 At another world size (M workers continuing N workers' checkpoint) every worker reads all N files, one at a time, and
 starts from their average: the floating-point tensors are summed in float64 as the files stream by (one file and the
 sums in memory, never N states), everything else is taken from rank 0's file.
+
+A sharded model (``parallel.shard``: FSDP2) saves its model and optimizer state with torch.distributed.checkpoint,
+one DCP checkpoint per replica (``replica<r>/``, written by the replica's ranks); each rank's file holds the rest. The
+manifest lists each rank's DCP files with their checksums too, so a truncated shard skips the checkpoint like a
+truncated rank file; the averaged resume averages the replicas' DCP states (``Algorithm.load_sharded_state``).
 """
 
 from __future__ import annotations
@@ -47,6 +52,18 @@ class CheckpointConfig:
 
 
 @dataclass
+class ShardedState:
+    """What torch.distributed.checkpoint saves for a sharded model: ``state`` (DTensors), written into
+    ``replica<replica>/`` by the ``shard`` ranks of ``group``, this one holding shard ``position``."""
+
+    state: dict[str, Any]
+    replica: int
+    position: int
+    shard: int
+    group: Any
+
+
+@dataclass
 class Checkpoint:
     """A complete checkpoint on disk: its directory and its manifest."""
 
@@ -60,6 +77,11 @@ class Checkpoint:
     @property
     def world_size(self) -> int:
         return int(self.manifest["world_size"])
+
+    @property
+    def shard(self) -> int:
+        """Ranks per replica of the workers that wrote it (1: whole models, no DCP state)."""
+        return int(self.manifest.get("shard", 1))
 
     @property
     def run_world_size(self) -> int:
@@ -135,6 +157,7 @@ def complete_checkpoints(run_dir: Path) -> list[Checkpoint]:
 def save_checkpoint(
     run_dir: Path, step: int, state: dict[str, Any], topology: str, model: dict[str, Any], keep: int,
     run_world_size: Optional[int] = None, before_gather: Optional[Callable[[], None]] = None,
+    sharded: Optional[ShardedState] = None,
 ) -> Path:
     """Every rank saves ``state``; rank 0 then writes the manifest (with the ``topology`` and the ``model``'s
     architecture that a resume must match, and the world size the run started with: by default this one) and deletes
@@ -148,14 +171,19 @@ def save_checkpoint(
     directory.mkdir(parents=True, exist_ok=True)
     file = directory / f"rank{rank}.pt"
     sha256, size = _write_atomically(file, lambda f: torch.save(state, f))
+    entry: dict[str, Any] = {"file": file.name, "sha256": sha256, "bytes": size}
+    if sharded is not None:
+        entry["sharded"] = _save_sharded(directory, sharded)
     if before_gather is not None:
         before_gather()
     entries: list[Any] = [None] * world
     with peers_must_answer(f"saving checkpoint {directory.name} (gathering the ranks' files)"):
-        dist.all_gather_object(entries, {"file": file.name, "sha256": sha256, "bytes": size})
+        dist.all_gather_object(entries, entry)
     if rank == 0:
         manifest = {"step": step, "world_size": world, "run_world_size": run_world_size or world,
                     "topology": topology, "model": model, "ranks": entries}
+        if sharded is not None:
+            manifest["shard"] = sharded.shard
         _write_atomically(directory / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
         for old in complete_checkpoints(run_dir)[keep:]:
             shutil.rmtree(old.path, ignore_errors=True)
@@ -167,22 +195,54 @@ def save_checkpoint(
     return directory
 
 
+def _save_sharded(directory: Path, sharded: ShardedState) -> list[dict[str, Any]]:
+    """DCP-save ``sharded.state`` into ``replica<r>/`` with the replica's ranks; the manifest entries of the files this
+    rank wrote (its shard's; the replica's first rank also the metadata)."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = directory / f"replica{sharded.replica}"
+    dcp.save(sharded.state, checkpoint_id=folder, process_group=sharded.group)
+    files = sorted(folder.glob(f"__{sharded.position}_*.distcp"))
+    if sharded.position == 0:
+        files.append(folder / ".metadata")
+    entries = []
+    for path in files:
+        sha256, size = _checksum(path)
+        entries.append({"file": str(path.relative_to(directory)), "sha256": sha256, "bytes": size})
+    return entries
+
+
+def _checksum(path: Path) -> tuple[str, int]:
+    """The sha256 and size of ``path``, streamed (never the whole file in memory)."""
+    with open(path, "rb") as file:
+        sha256, size = hashlib.sha256(), 0
+        while chunk := file.read(1 << 24):
+            sha256.update(chunk)
+            size += len(chunk)
+    return sha256.hexdigest(), size
+
+
+def _check_files(checkpoint: Checkpoint, entries: list[dict[str, Any]]) -> str:
+    """Why one of ``entries``' files does not match its checksum in the manifest; empty if all do."""
+    for entry in entries:
+        path = checkpoint.path / entry["file"]
+        try:
+            sha256, size = _checksum(path)
+        except OSError as error:
+            return f"{path} cannot be read ({error.strerror})"
+        if size != entry["bytes"] or sha256 != entry["sha256"]:
+            return f"{path} is truncated or corrupt ({size} bytes, manifest: {entry['bytes']}; checksum differs)"
+    return ""
+
+
 def _read_file(checkpoint: Checkpoint, rank: int) -> tuple[Optional[dict[str, Any]], str]:
-    """Rank ``rank``'s state from ``checkpoint`` if its checksum matches the manifest; else None and why. The hash
-    streams over the file before it is loaded: never two copies of it in memory."""
+    """Rank ``rank``'s state from ``checkpoint`` if its checksums (its file's, its DCP files') match the manifest;
+    else None and why. The hash streams over the file before it is loaded: never two copies of it in memory."""
     entry = checkpoint.manifest["ranks"][rank]
-    path = checkpoint.path / entry["file"]
-    try:
-        with open(path, "rb") as file:
-            sha256, size = hashlib.sha256(), 0
-            while chunk := file.read(1 << 24):
-                sha256.update(chunk)
-                size += len(chunk)
-    except OSError as error:
-        return None, f"{path} cannot be read ({error.strerror})"
-    if size != entry["bytes"] or sha256.hexdigest() != entry["sha256"]:
-        return None, f"{path} is truncated or corrupt ({size} bytes, manifest: {entry['bytes']}; checksum differs)"
-    return torch.load(path, map_location="cpu", weights_only=True), ""
+    why = _check_files(checkpoint, [entry, *entry.get("sharded", [])])
+    if why:
+        return None, why
+    return torch.load(checkpoint.path / entry["file"], map_location="cpu", weights_only=True), ""
 
 
 Prepare = Callable[[dict[str, Any]], dict[str, Any]]

@@ -20,6 +20,7 @@ from loguru import logger
 from torch import Tensor
 from tqdm import tqdm
 
+from decent_train.engine.membership import local_part
 from decent_train.engine.topology import Topology
 from decent_train.engine.comm import peers_must_answer, run_collective
 
@@ -197,8 +198,11 @@ class ConsensusProbe:
     model: then it costs a copy of the parameters and an all-reduce of it. Every rank must call :meth:`measure`.
     """
 
-    def __init__(self, params: list[Tensor], samples: int = 65536, seed: int = 0):
-        self.params = params
+    def __init__(self, params: list[Tensor], samples: int = 65536, seed: int = 0,
+                 group: dist.ProcessGroup | None = None, replicas: int | None = None):
+        """``group`` and ``replicas`` for a sharded model (``params``: this rank's shards): the mean is taken over
+        ``group``, the ranks holding the same shard in each of the ``replicas``; the distance sums every shard's."""
+        self.params, self.group, self.replicas = params, group, replicas
         sizes = [p.numel() for p in params]
         total = sum(sizes)
         self.exact = samples == 0 or samples >= total
@@ -228,18 +232,21 @@ class ConsensusProbe:
         else:
             mine = torch.cat([self._elements(p)[index].to(self.dtype) for p, index in self.picks])
         world = dist.get_world_size() if dist.is_initialized() else 1
+        replicas = self.replicas or world
         mean = mine.clone()
-        if world > 1:
+        if replicas > 1:
             with peers_must_answer("the consensus distance's all-reduce"):
-                run_collective(dist.all_reduce, mean)
-            mean.div_(world)
-        sums = torch.stack([(mine - mean).double().square().sum(), mean.double().square().sum() / world])
-        if world > 1:
+                run_collective(dist.all_reduce, mean, group=self.group)
+            mean.div_(replicas)
+        sums = self.scale * torch.stack(
+            [(mine - mean).double().square().sum(), mean.double().square().sum() / replicas]
+        )
+        if world > 1:  # sharded: every shard's sums (each rank's scale is its own shard's)
             with peers_must_answer("the consensus distance's all-reduce"):
                 run_collective(dist.all_reduce, sums)
         deviation, norm_squared = sums.tolist()
-        distance = math.sqrt(self.scale * deviation / world)
-        norm = math.sqrt(self.scale * norm_squared)
+        distance = math.sqrt(deviation / replicas)
+        norm = math.sqrt(norm_squared)
         return distance, distance / norm if norm > 0 else 0.0
 
 
@@ -268,6 +275,17 @@ def _exchange_bytes(group_size: int, nbytes: int) -> float:
     if group_size <= 1:
         return 0.0
     return float(nbytes) if group_size == 2 else 2.0 * (group_size - 1) / group_size * nbytes
+
+
+def held_bytes(tensors: list[Tensor]) -> int:
+    """Bytes of ``tensors`` this rank holds: a DTensor's local shard only (FSDP2's parameters and their optimizer
+    state)."""
+    return sum(local_part(t).nbytes for t in tensors)
+
+
+def optimizer_state_tensors(optimizers: list[Any]) -> list[Tensor]:
+    """Every tensor of the optimizers' per-parameter state (momentum, Adam's moments, step counts)."""
+    return [v for o in optimizers for state in o.state.values() for v in state.values() if isinstance(v, Tensor)]
 
 
 def peak_memory_bytes(device: torch.device) -> int:

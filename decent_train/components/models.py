@@ -96,6 +96,18 @@ def _cnn(in_channels: int, channels: list[int], num_classes: int, dropout: float
     return nn.Sequential(*layers)
 
 
+def shard_units(net: nn.Module) -> list[nn.Module]:
+    """The modules FSDP2 shards one by one (``fully_shard`` each, then the root): each gathers its parameters just
+    before it runs and frees them after, so a rank holds whole parameters of one unit at a time. A transformer's
+    blocks, a ResNet's residual blocks, else the top-level modules that hold parameters."""
+    if isinstance(net, GPT):
+        return list(net.blocks)
+    stages = [getattr(net, f"layer{i}", None) for i in range(1, 5)]
+    if all(isinstance(stage, nn.Sequential) for stage in stages):  # torchvision's ResNet
+        return [block for stage in stages for block in stage]
+    return [m for m in net.children() if any(True for _ in m.parameters())]
+
+
 def _resnet(name: str, in_channels: int, num_classes: int, small_stem: bool) -> nn.Module:
     """torchvision's ResNet, untrained; the stem adapted to the input's channels and, with ``small_stem``, to 32x32."""
     import torchvision  # slow to import: only when a ResNet is wanted

@@ -25,16 +25,17 @@ class Checkpointer:
     def save(self, step: int) -> Path:
         """This worker's state at ``step`` (the caller has checked the loss is finite)."""
         job, cfg = self.job, self.job.cfg
+        sharded = job.algo.sharded_state()  # a sharded model and its optimizer: DCP's, per replica
         state = {
             "step": step,
             "data_position": job.data_start + (step - job.data_step) * cfg.accum_steps,  # micro-batches taken
             "batch_size": job.batch_size,
-            "model": job.algo.net.state_dict(),
+            "model": job.algo.net.state_dict() if sharded is None else None,
             "algorithm": job.algo.state_dict(),
             "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state(job.device) if job.device.type == "cuda" else None,
         }
         path = save_checkpoint(job.run_dir, step, state, cfg.schedule(dist.get_world_size()), cfg.model.architecture(),
-                               cfg.checkpoint.keep, job.run_world, before_gather=job.fence)
+                               cfg.checkpoint.keep, job.run_world, before_gather=job.fence, sharded=sharded)
         logger.debug(f"checkpoint {path}")
         return path

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from decent_train.components.data import Datasets
 from decent_train.config import TrainConfig
@@ -18,27 +18,54 @@ from decent_train.training.job import Job
 @torch.no_grad()
 def evaluate(
     net: nn.Module, cfg: TrainConfig, data: Datasets, device: torch.device, precision: Precision,
-    before_reduce: Callable[[], None] = lambda: None,
+    before_reduce: Callable[[], None] = lambda: None, lockstep: dist.ProcessGroup | None = None,
 ) -> dict[str, float]:
     """Loss and accuracy (next-token accuracy for tokens) on the whole evaluation set; each worker evaluates a
-    disjoint slice and the sums are reduced."""
+    disjoint slice and the sums are reduced. ``lockstep``: ranks whose forward passes pair up (a sharded model's
+    replica, which gathers its parameters in each): they run as many as the one with the most batches."""
     rank, world = dist.get_rank(), dist.get_world_size()
     was_training = net.training
     net.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
     batches = data.device_eval_batches(cfg.eval_batch_size, rank, world, device=device, channels_last=cfg.channels_last)
-    for x, y in batches:
+    for x, y, counts in _in_lockstep(batches, lockstep, device):
         with precision.autocast():
             logits = net(x)
-        sums[0] += cross_entropy(logits.float(), y, reduction="sum").double()
-        sums[1] += (logits.argmax(dim=-1) == y).sum()
-        sums[2] += y.numel()
+        if counts:
+            sums[0] += cross_entropy(logits.float(), y, reduction="sum").double()
+            sums[1] += (logits.argmax(dim=-1) == y).sum()
+            sums[2] += y.numel()
     before_reduce()  # live membership's fence: a member that died while evaluating stops nobody
     with peers_must_answer("the evaluation's all-reduce"):
         run_collective(dist.all_reduce, sums)
     net.train(was_training)
     loss, correct, count = sums.tolist()
     return {"eval/loss": loss / count, "eval/accuracy": correct / count}
+
+
+def _in_lockstep(
+    batches: Iterator[tuple[Tensor, Tensor]], group: dist.ProcessGroup | None, device: torch.device
+) -> Iterator[tuple[Tensor, Tensor, bool]]:
+    """``(x, y, counts)`` per batch; with ``group``, until every rank of it is done, a rank done early repeating its
+    last batch with ``counts`` false (one flag all-reduced per batch: evaluation only)."""
+    if group is None:
+        yield from ((x, y, True) for x, y in batches)
+        return
+    last = None
+    while True:
+        batch = next(batches, None)
+        more = torch.tensor([batch is not None], dtype=torch.int32, device=device)
+        dist.all_reduce(more, op=dist.ReduceOp.MAX, group=group)
+        if not more.item():
+            return
+        if batch is not None:
+            last = batch
+            yield (*batch, True)
+        elif last is not None:
+            yield (*last, False)
+        else:
+            raise RuntimeError(f"rank {dist.get_rank()} has no evaluation batch while its replica's others do: use "
+                               "at least one evaluation sample per worker")
 
 
 class Evaluator:
@@ -55,4 +82,5 @@ class Evaluator:
         """Every rank calls it at the same step: the average is formed, evaluated, and the local models restored."""
         job = self.job
         with job.algo.averaged():
-            return evaluate(job.algo.net, job.cfg, job.data, job.device, job.precision, before_reduce=job.fence)
+            return evaluate(job.algo.net, job.cfg, job.data, job.device, job.precision, before_reduce=job.fence,
+                            lockstep=job.algo.lockstep_group)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from decent_train.components.checkpoint import complete_checkpoints
-from decent_train.components.metrics import ConsensusProbe, MetricLogger, peak_memory_bytes
+from decent_train.components.metrics import MetricLogger, held_bytes, optimizer_state_tensors, peak_memory_bytes
 from decent_train.config import DIVERGED_FILE
 from decent_train.engine.comm import peers_must_answer, run_collective
 from decent_train.training.job import Job
@@ -36,8 +36,7 @@ class Recorder:
     def __init__(self, job: Job, metrics: MetricLogger) -> None:
         cfg, algo, device = job.cfg, job.algo, job.device
         self.job, self.metrics = job, metrics
-        trainable = [p for p in algo.net.parameters() if p.requires_grad]
-        self.consensus = ConsensusProbe(trainable, cfg.logger.consensus_samples, seed=cfg.seed)
+        self.consensus = algo.consensus_probe(cfg.logger.consensus_samples, cfg.seed)
         self.samples_per_step = job.batch_size * cfg.accum_steps  # per worker
         self.phase_ends = {start for start, _ in cfg.phase_starts()[1:]} | {job.total_steps}  # a record closes each
         self.bar = tqdm(
@@ -105,14 +104,15 @@ class Recorder:
         comm_seconds = (algo.comm_wait_seconds() or 0.0) - self.comm_start
         stats = gather(  # one row per worker
             [self.loss_sum, self.micro_batches, elapsed, self.data_seconds, comm_seconds, peak_memory_bytes(device),
-             algo.bytes_per_step()],
+             algo.bytes_per_step(), held_bytes(list(algo.net.parameters())),
+             held_bytes(optimizer_state_tensors(algo.optimizers()))],
             device,
         )
         # The record's own cost (the gather above, the consensus all-reduce, the sinks) is training time: it counts in
         # the next window, so throughput shows what measuring costs.
         self.window_start = now
         self.train_seconds += elapsed
-        loss_total, micro_total, elapsed_w, data_w, comm_w, memory_w, bytes_w = stats.T
+        loss_total, micro_total, elapsed_w, data_w, comm_w, memory_w, bytes_w, params_w, optim_w = stats.T
         trained = micro_total > 0  # all but a worker that joined at this step (live membership)
         steps_in_window = micro_total.max().item() / cfg.accum_steps
         per_worker_loss = loss_total[trained] / micro_total[trained]
@@ -138,6 +138,9 @@ class Recorder:
             "time/data_ms": 1000 * data_w.mean().item() / steps_in_window,
             "comm/bytes_per_step": bytes_w.mean().item(),
             "memory/peak_gib": memory_w.max().item() / 2**30,
+            # What one rank holds (a sharded model: its shards), the largest over the ranks.
+            "memory/params_mib": params_w.max().item() / 2**20,
+            "memory/optimizer_mib": optim_w.max().item() / 2**20,
             "world/members": dist.get_world_size(),
             "time/elapsed_s": time.perf_counter() - self.train_start,
         }

@@ -36,7 +36,12 @@ def restore(
     ``batch_size`` per micro-batch."""
     rank, world = dist.get_rank(), dist.get_world_size()
     start_step = checkpoint.step
-    _check_fits(algo.net, state["model"], checkpoint.path)
+    if state["model"] is None:  # a sharded model: its model and optimizer are the replicas' DCP checkpoints
+        saved_replicas = checkpoint.world_size // checkpoint.shard
+        same = checkpoint.world_size == world
+        algo.load_sharded_state(checkpoint.path, [rank // checkpoint.shard] if same else list(range(saved_replicas)))
+    else:
+        _check_fits(algo.net, state["model"], checkpoint.path)
     _restore(algo, state, device)
     data_start = state.get("data_position", start_step * cfg.accum_steps)
     if checkpoint.world_size == world:
@@ -70,7 +75,8 @@ def _check_fits(net: nn.Module, saved: dict[str, torch.Tensor], path: Path) -> N
 def _restore(algo: Algorithm, state: dict[str, Any], device: torch.device) -> None:
     """Continue from a checkpoint's state: the model, the algorithm's state and the random number generators (not
     from an average of other workers' states: each worker's generators were its own)."""
-    algo.net.load_state_dict(state["model"])
+    if state["model"] is not None:
+        algo.net.load_state_dict(state["model"])
     averaged_from = state.get("averaged_from")
     algorithm_state = state["algorithm"]
     algo.load_state_dict({**algorithm_state, "averaged_from": averaged_from} if averaged_from else algorithm_state)

@@ -15,10 +15,10 @@ import torch.distributed as dist
 from loguru import logger
 from torch import nn
 
-from decent_train.algorithms import algorithm_class
+from decent_train.algorithms import algorithm_for
 from decent_train.components.checkpoint import Checkpoint
 from decent_train.components.data import Datasets, build_datasets
-from decent_train.components.metrics import MetricLogger
+from decent_train.components.metrics import MetricLogger, held_bytes
 from decent_train.components.models import build_model
 from decent_train.components.optim import make_scheduler_fn
 from decent_train.config import METRICS_FILE, MODEL_FILE, RESULT_FILE, TrainConfig
@@ -52,7 +52,7 @@ def train(
     batch_size = cfg.batch_size_per_worker(launched)
     torch.manual_seed(cfg.seed + rank)  # dropout and any other randomness differ per worker
 
-    algorithm = algorithm_class(cfg.algorithm.name)
+    algorithm = algorithm_for(cfg)
     joining = live is not None and live.joining
     if joining:  # built over the members now; the donor's state replaces what it starts with
         seed_joiner(cfg.seed, live.id)
@@ -118,6 +118,7 @@ def _info(job: Job) -> dict[str, Any]:
     return {
         "world_size": world,
         "model/parameters": sum(p.numel() for p in trainable),
+        "memory/params_mib": round(held_bytes(list(job.algo.net.parameters())) / 2**20, 3),  # this rank's (shards)
         "data/train_samples": job.data.train_size,
         **job.data.shard_summary(world, job.batch_size),
         "batch_size": job.batch_size,
@@ -134,8 +135,9 @@ def _finish(job: Job, result: dict[str, Any], checkpoint: Checkpoint | None) -> 
     if checkpoint is not None and checkpoint.world_size != world:
         result["resumed_from_world_size"] = checkpoint.world_size
     result["topology"] = algo.topology_name
+    model = algo.full_state_dict()  # every rank: a sharded model is gathered
     if dist.get_rank() == 0:
-        torch.save({k: v.cpu() for k, v in algo.net.state_dict().items()}, run_dir / MODEL_FILE)
+        torch.save(model, run_dir / MODEL_FILE)
         (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
         trained = result["train_time_s"] < math.inf  # else resumed from the final checkpoint: evaluated only
         speed = f"{result['throughput/samples_per_s']:.0f} samples/s" if trained else "nothing left to train"

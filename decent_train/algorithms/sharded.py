@@ -1,0 +1,183 @@
+"""``algorithm=decentralized`` with ``parallel.shard`` = K > 1: FSDP2 inside each replica of K consecutive workers,
+per-step gossip of the shards across replicas (the ``Gossip`` front of ``step_gossip.py``).
+
+The model is ``fully_shard``ed per block (``components.models.shard_units``) over the mesh's shard dimension, the
+config's optimizer steps the DTensor parameters after backward (FSDP2 has averaged the gradients inside the replica
+by then), and the front mixes each rank's shard with the same shard of the replicas the topology pairs its replica
+with. Checkpoints: the model and optimizer, sharded, by torch.distributed.checkpoint (DCP) per replica; the rest (the
+schedule, the front's counters and exchange in flight, the generators) in each rank's file as for every algorithm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from decent_train.algorithms.local_steps_algorithms import FrontAlgorithm
+from decent_train.algorithms.step_gossip import Gossip
+from decent_train.components.checkpoint import ShardedState
+from decent_train.components.metrics import ConsensusProbe
+from decent_train.components.models import shard_units
+from decent_train.config import TrainConfig
+from decent_train.engine.membership import local_part
+from decent_train.engine.optimizers import LRSchedulerFn
+
+__all__ = ["ShardedGossip", "shard_model"]
+
+
+def shard_model(net: nn.Module, shard_mesh: Any) -> None:
+    """``fully_shard`` each of ``net``'s units, then ``net`` itself (its remaining parameters: embeddings, the head)."""
+    for unit in shard_units(net):
+        fully_shard(unit, mesh=shard_mesh)
+    fully_shard(net, mesh=shard_mesh)
+
+
+class ShardedGossip(FrontAlgorithm):
+    """Gossip over replicas of an FSDP2-sharded model (see the module)."""
+
+    name = "decentralized"
+
+    def __init__(
+        self, net: nn.Module, cfg: TrainConfig, schedule: LRSchedulerFn, scaler: torch.amp.GradScaler, steps_taken: int
+    ) -> None:
+        shard = cfg.parallel.shard
+        device = next(net.parameters()).device
+        self.mesh = init_device_mesh(device.type, (dist.get_world_size() // shard, shard),
+                                     mesh_dim_names=("replicate", "shard"))
+        self.shard_group = self.mesh.get_group(1)
+        shard_model(net, self.mesh["shard"])
+        super().__init__(net, cfg, schedule, scaler, steps_taken)
+
+    def _build_front(self, cfg: TrainConfig, kwargs: dict[str, Any]) -> Gossip:
+        return Gossip(self.net, self.inner, cfg.topology.name, mesh=self.mesh, **kwargs)
+
+    @property
+    def lockstep_group(self) -> dist.ProcessGroup | None:
+        return self.shard_group  # a replica's ranks gather parameters together: their forwards pair up
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return _without_gradient_sync(self.net)
+
+    def info(self) -> dict[str, Any]:
+        members = self.front.members
+        topology = self.front.topology
+        return {
+            "parallel/shard": members.shard,
+            "parallel/replicas": members.replicas,
+            "topology/rounds": topology.describe(),
+            "topology/period": topology.period,
+            "topology/spectral_gap": topology.spectral_gap(),
+        }
+
+    def metrics(self) -> dict[str, Any]:
+        return {}
+
+    def consensus_probe(self, samples: int, seed: int) -> ConsensusProbe:
+        """The replicas' distance, from each rank's shards (the mean over the ranks holding the same shard)."""
+        members = self.front.members
+        shards = [local_part(p) for p in self.net.parameters() if p.requires_grad]
+        return ConsensusProbe(shards, samples, seed=seed, group=members.replicate_group, replicas=members.replicas)
+
+    # -- evaluation and the final model ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def averaged(self) -> Iterator[None]:
+        params, buffers = self._shards(), self._buffers()
+        saved = [t.clone() for t in params + buffers]
+        self._average(params, buffers, "the evaluation's average of the models")
+        try:
+            yield
+        finally:
+            torch._foreach_copy_(params + buffers, saved)
+
+    def average(self) -> None:
+        self._average(self._shards(), self._buffers(), "the final average of the models")
+
+    def _shards(self) -> list[Tensor]:
+        return [local_part(p) for p in self.net.parameters()]
+
+    def _buffers(self) -> list[Tensor]:
+        return [b for b in self.net.buffers() if b.is_floating_point()]
+
+    def _average(self, shards: list[Tensor], buffers: list[Tensor], what: str) -> None:
+        """Shards over the replicas; buffers (BatchNorm's statistics: FSDP2 leaves them whole, each rank updating its
+        own) over every rank."""
+        self.front.members.average_tensors_(shards, what)
+        for buffer in buffers:
+            dist.all_reduce(buffer)
+            buffer.div_(dist.get_world_size())
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The whole model (gathered from the shards) on rank 0, on the CPU; others get an empty dict. Collective."""
+        return get_model_state_dict(self.net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    # -- checkpoints ----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """All but the model and the optimizer's state (``sharded_state``, DCP's)."""
+        state = super().state_dict()
+        state["inner"] = None
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.front.load_state_dict(state["front"])
+
+    def sharded_state(self) -> ShardedState:
+        model, optim = get_state_dict(self.net, self.inner)
+        members = self.front.members
+        return ShardedState({"model": model, "optim": optim}, members.replica, members.first_of_shard, members.shard,
+                            self.shard_group)
+
+    def load_sharded_state(self, directory: Path, replicas: list[int]) -> None:
+        """The model and optimizer state from the DCP checkpoints of ``replicas`` in ``directory`` (several: their
+        average, in float64 as the other algorithms' averaged resume; a replica's may have been saved with another
+        number of shards: DCP reshards). Before ``load_state_dict``: nothing may be in flight."""
+        with self.front.suspended():  # DCP's optimizer-state template steps the optimizer once (lr 0): not a step
+            sums: list[Tensor] = []
+            for replica in replicas:
+                model, optim = get_state_dict(self.net, self.inner)
+                state = {"model": model, "optim": optim}
+                dcp.load(state, checkpoint_id=directory / f"replica{replica}", process_group=self.shard_group)
+                floats = _floats(state)
+                if not sums:
+                    sums = [local_part(t).to(torch.float64, copy=True) for t in floats]
+                else:
+                    for total, value in zip(sums, floats):
+                        total.add_(local_part(value))
+            for total, value in zip(sums, floats):
+                local_part(value).copy_(total.div_(len(replicas)))
+            set_state_dict(self.net, self.inner, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+@contextlib.contextmanager
+def _without_gradient_sync(net: nn.Module) -> Iterator[None]:
+    """FSDP2 keeps the micro-batch's gradients unreduced (accumulation) until the step's last backward."""
+    assert isinstance(net, FSDPModule)
+    net.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        net.set_requires_gradient_sync(True)
+
+
+def _floats(state: Any) -> list[Tensor]:
+    """The floating-point tensors of a nested state dict, in a fixed order."""
+    if isinstance(state, Tensor):
+        return [state] if state.is_floating_point() else []
+    if isinstance(state, dict):
+        return [t for key in sorted(state, key=str) for t in _floats(state[key])]
+    if isinstance(state, (list, tuple)):
+        return [t for item in state for t in _floats(item)]
+    return []
