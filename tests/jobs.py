@@ -60,3 +60,21 @@ def start(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subproces
 
 def check_succeeded(proc: subprocess.CompletedProcess[str]) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+
+
+def worker_pids(run_dir: Path) -> dict[int, int]:
+    """rank -> pid of this run's worker processes (read from /proc)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = dict(
+                item.split(b"=", 1) for item in (entry / "environ").read_bytes().split(b"\0") if b"=" in item
+            )
+        except OSError:
+            continue
+        if b"decent_train.worker" in cmdline and str(run_dir).encode() in b" ".join(cmdline) and b"RANK" in environ:
+            found[int(environ[b"RANK"])] = int(entry.name)
+    return found

@@ -38,7 +38,7 @@ from decent_train.engine.comm import peers_must_answer
 
 from .distributed import WorkerError, run_workers
 from .replay import loss_fn, make_model, replay, snapshot, topology_for
-from .jobs import COMMAND, WORLD, check_succeeded, decent_train, make_cfg, records, train_on_cpu
+from .jobs import COMMAND, WORLD, check_succeeded, decent_train, make_cfg, records, train_on_cpu, worker_pids
 
 ADAMW = partial(optim_fn_accum_adamw, lr=0.01, accum_iter=2, weight_decay=0.1)
 SCHEDULE = partial(lr_scheduler_fn_cosine_with_warmup, t_max=12, t_warmup=3)
@@ -347,24 +347,6 @@ def test_restarted_workers_do_not_train_into_the_same_nan_again(tmp_path: Path) 
 
 
 # -- a worker killed or hanging mid-run, end to end -----------------------------------------------------------------------------
-def _worker_pids(run_dir: Path) -> dict[int, int]:
-    """rank -> pid of this run's worker processes (read from /proc)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            environ = dict(
-                item.split(b"=", 1) for item in (entry / "environ").read_bytes().split(b"\0") if b"=" in item
-            )
-        except OSError:
-            continue
-        if b"decent_train.worker" in cmdline and str(run_dir).encode() in b" ".join(cmdline) and b"RANK" in environ:
-            found[int(environ[b"RANK"])] = int(entry.name)
-    return found
-
-
 def _hang(run_dir: Path, pid: int) -> None:
     """Freeze a worker until a neighbour's exchange times out (the error is in its log), then let it go on: the agent
     has asked it to terminate by then."""
@@ -394,7 +376,7 @@ def test_failed_worker_restarts_and_ends_like_an_uninterrupted_run(tmp_path: Pat
     deadline, victim = time.monotonic() + 120, None
     while time.monotonic() < deadline and proc.poll() is None:
         if complete_checkpoints(failed_dir):
-            victim = _worker_pids(failed_dir).get(1)
+            victim = worker_pids(failed_dir).get(1)
             if victim:
                 FAULTS[fault](failed_dir, victim)
                 break
