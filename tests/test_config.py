@@ -160,6 +160,21 @@ def test_every_option_composes_and_checks(group: str, option: str, data_dirs: di
         ({"fault_tolerance": {"name": "live"}, "launch": {"device": "cuda"}}, "launch.device=cuda: live membership"),
         ({"fault_tolerance": {"name": "live"}, "topology": {"name": "hierarchical", "local_world_size": 2}},
          "its rounds have two stages"),
+        # parallel.shard: what sharded gossip runs with
+        ({"parallel": {"shard": 0}}, "parallel.shard=0 must be >= 1"),
+        ({"parallel": {"shard": 3}}, "parallel.shard must divide the workers per node; valid: 1, 2, 4"),
+        ({"parallel": {"shard": 2}, "algorithm": "allreduce"}, "parallel.shard=2 with algorithm=allreduce"),
+        ({"parallel": {"shard": 2}, "algorithm": "diloco"}, "parallel.shard=2 with algorithm=diloco: local steps"),
+        ({"parallel": {"shard": 2}, "topology": {"local_world_size": 1}}, "topology.local_world_size=1: it must be"),
+        ({"parallel": {"shard": 2}, "phases": [{"algorithm": "allreduce", "steps": 5}, {}]}, "shard=2 with phases"),
+        ({"parallel": {"shard": 2}, "global_avg_every": 5}, "parallel.shard=2 with global_avg_every=5"),
+        ({"parallel": {"shard": 2}, "fault_tolerance": {"name": "live"}}, "parallel.shard=2 with fault_tolerance"),
+        ({"parallel": {"shard": 2}, "precision": "fp16"}, "parallel.shard=2 with precision=fp16"),
+        ({"parallel": {"shard": 2}, "compile": True}, "parallel.shard=2 with compile=true"),
+        ({"parallel": {"shard": 2}, "compression": {"name": "int8", "copy_dtype": "bf16"}},
+         "parallel.shard=2 with compression.copy_dtype=bf16"),
+        ({"parallel": {"shard": 2}, "launch": {"nproc_per_node": 6}, "topology": {"name": "one-peer-exp"}},
+         "topology=one-peer-exp with 6 workers: over 3 replicas (parallel.shard=2)"),
     ],
 )
 def test_bad_values_name_themselves(override: dict, fragment: str) -> None:
