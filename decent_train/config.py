@@ -456,8 +456,8 @@ class TrainConfig:
         refusals = [
             (name == ALLREDUCE, f"algorithm={name}: all-reducing shards across replicas is FSDP2's HSDP "
              "(fully_shard over a 2-D mesh); use algorithm=decentralized to gossip them"),
-            (name != "decentralized" and name != ALLREDUCE, f"algorithm={name}: local steps over sharded models are "
-             "not built yet; use algorithm=decentralized"),
+            (name not in ("decentralized", "diloco", "localsgd", ALLREDUCE), f"algorithm={name}: valid with "
+             "parallel.shard: decentralized (per-step gossip of the shards), diloco, localsgd"),
             (launch.nproc_per_node is not None and launch.nproc_per_node % shard != 0,
              f"launch.nproc_per_node={launch.nproc_per_node}: a replica's workers share a node, so parallel.shard "
              f"must divide the workers per node; valid: " + ", ".join(

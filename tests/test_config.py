@@ -164,7 +164,6 @@ def test_every_option_composes_and_checks(group: str, option: str, data_dirs: di
         ({"parallel": {"shard": 0}}, "parallel.shard=0 must be >= 1"),
         ({"parallel": {"shard": 3}}, "parallel.shard must divide the workers per node; valid: 1, 2, 4"),
         ({"parallel": {"shard": 2}, "algorithm": "allreduce"}, "parallel.shard=2 with algorithm=allreduce"),
-        ({"parallel": {"shard": 2}, "algorithm": "diloco"}, "parallel.shard=2 with algorithm=diloco: local steps"),
         ({"parallel": {"shard": 2}, "topology": {"local_world_size": 1}}, "topology.local_world_size=1: it must be"),
         ({"parallel": {"shard": 2}, "phases": [{"algorithm": "allreduce", "steps": 5}, {}]}, "shard=2 with phases"),
         ({"parallel": {"shard": 2}, "global_avg_every": 5}, "parallel.shard=2 with global_avg_every=5"),

@@ -12,8 +12,7 @@ __all__ = [
 
 
 def algorithm_for(cfg: TrainConfig) -> type[Algorithm]:
-    """The class that runs ``cfg``: ``algorithm=``'s, or over a sharded model (``parallel.shard`` > 1, which the
-    config allows with ``algorithm=decentralized`` only) gossip of the shards."""
+    """The class that runs ``cfg``: ``algorithm=``'s, or its form over a sharded model (``parallel.shard`` > 1)."""
     if cfg.parallel.shard > 1:
-        return sharded.ShardedGossip
+        return sharded.SHARDED[cfg.algorithm.name]
     return algorithm_class(cfg.algorithm.name)

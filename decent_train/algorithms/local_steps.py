@@ -27,6 +27,8 @@ design notes: torchft_local_sgd.md (what torchft does), tests/test_local_steps.p
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from datetime import timedelta
 from types import TracebackType
 from typing import Any
@@ -34,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from decent_train.algorithms.outer_exchange import (
@@ -125,10 +128,7 @@ class DiLoCo:
                     f"the outer optimizer must be built over the model's parameters; it lacks {missing[0]}"
                 )
         shard, replicate_group = replicas_of(mesh)
-        if shard > 1 and self.anchored:
-            raise ValueError("DiLoCo over a sharded model (mesh=) is not supported yet: its outer optimizer steps the "
-                             "DTensor parameters; use LocalSGD or Gossip")
-        parts = [[local_part(p) for p in part] for part in split_parameters(named, fragments)]
+        parts = split_parameters(named, fragments)
         self.model, self.inner, self.outer, self.sync_every = model, inner, outer, sync_every
         self.period, self.delay, self.alpha = sync_every // count, fragment_sync_delay, fragment_update_alpha
         self.members = Membership(local_world_size, timedelta(seconds=timeout) if timeout is not None else None,
@@ -146,7 +146,8 @@ class DiLoCo:
             for p in params:
                 by_kind.setdefault((p.dtype, p.device), []).append(p)
             first = sum(len(f.groups) for f in self.fragments)  # exchange buffers are numbered across fragments
-            groups = [OuterGroup(first + i, ps, payload) for i, ps in enumerate(by_kind.values())]
+            groups = [OuterGroup(first + i, [local_part(p) for p in ps], payload, owners=ps)
+                      for i, ps in enumerate(by_kind.values())]
             self.fragments.append(Fragment(groups))
         if compressor is not None:
             mine = [e for r in range(self.topology.period) for e in self.topology.edges(r) if e.size > 1]
@@ -163,8 +164,9 @@ class DiLoCo:
         return [g for f in self.fragments for g in f.groups]
 
     def anchors(self) -> list[Tensor]:
-        """The anchors of the trainable parameters, in ``model.parameters()`` order (LocalSGD keeps none: [])."""
-        by_param = {id(p): a for g in self.groups for p, a in zip(g.params, g.anchors)}
+        """The anchors of the trainable parameters (of their local shards), in ``model.parameters()`` order (LocalSGD
+        keeps none: [])."""
+        by_param = {id(p): a for g in self.groups for p, a in zip(g.owners, g.anchors)}
         return [by_param[id(p)] for p in self.model.parameters() if id(p) in by_param]
 
     def bytes_per_inner_step(self) -> float:
@@ -197,13 +199,14 @@ class DiLoCo:
         """Continue from ``state_dict()``; without its ``copies`` and ``in_flight`` (an average of several workers'
         states: parameters and anchors equal everywhere) the copies restart from the payload and an exchange due to
         be in flight starts from the parameters now."""
-        saved = [[tuple(a.shape) for a in anchors] for anchors in state["anchors"]]
-        mine = [[tuple(a.shape) for a in group.anchors] for group in self.groups]
-        if saved != mine:
-            raise ValueError(f"the saved anchors have shapes {saved}, this model's parameters {mine}")
-        for group, anchors in zip(self.groups, state["anchors"]):
-            if anchors:  # LocalSGD keeps none
-                torch._foreach_copy_(group.anchors, anchors)
+        if state["anchors"] is not None:  # None: loaded already (a sharded model's, from its DCP checkpoint)
+            saved = [[tuple(a.shape) for a in anchors] for anchors in state["anchors"]]
+            mine = [[tuple(a.shape) for a in group.anchors] for group in self.groups]
+            if saved != mine:
+                raise ValueError(f"the saved anchors have shapes {saved}, this model's parameters {mine}")
+            for group, anchors in zip(self.groups, state["anchors"]):
+                if anchors:  # LocalSGD keeps none
+                    torch._foreach_copy_(group.anchors, anchors)
         if self.outer is not None and state["outer"] is not None:
             self.outer.load_state_dict(state["outer"])
         self.inner_steps, self.outer_steps = int(state["inner_steps"]), int(state["outer_steps"])
@@ -221,6 +224,16 @@ class DiLoCo:
             mixed = state.get("in_flight")
             self._in_flight = (self.exchange.start(fragment) if mixed is None
                                else InFlight(fragment, fragment.syncs, [], [], mixed=[m.clone() for m in mixed]))
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Optimizer steps that are not training steps (torch.distributed.checkpoint's state template steps the
+        optimizer once with lr 0) neither count nor exchange."""
+        self.__exit__(None, None, None)
+        try:
+            yield
+        finally:
+            self.__enter__()
 
     def __enter__(self) -> DiLoCo:
         self._handle = self.inner.register_step_post_hook(self._after_inner_step)
@@ -294,11 +307,19 @@ class DiLoCo:
         for p in everything:
             p.grad = None
         for group, grads in zip(fragment.groups, gradients):
-            for p, g in zip(group.params, grads):
-                p.grad = g
+            for p, g in zip(group.owners, grads):
+                p.grad = _gradient_for(p, g)
         self.outer.step()
         for p, grad in zip(everything, kept):
             p.grad = grad
+
+
+def _gradient_for(param: nn.Parameter, gradient: Tensor) -> Tensor:
+    """``gradient`` (this rank's part of ``param``'s) as ``param.grad``: a DTensor like it for a sharded parameter."""
+    if isinstance(param, DTensor):
+        return DTensor.from_local(gradient, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                                  stride=param.stride())
+    return gradient
 
 
 class LocalSGD(DiLoCo):

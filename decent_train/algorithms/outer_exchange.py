@@ -48,10 +48,13 @@ def payload_kind(anchored: bool, topology: Topology, compressed: bool) -> str:
 
 
 class OuterGroup:
-    """A fragment's parameters of one dtype and device: their anchors and the exchange buffer of the payload."""
+    """A fragment's parameters of one dtype and device: their anchors and the exchange buffer of the payload.
+    ``params`` are what this rank holds of ``owners``, the model's parameters: the parameters themselves, or their
+    local shards (FSDP2's DTensors)."""
 
-    def __init__(self, index: int, params: list[nn.Parameter], payload: str):
+    def __init__(self, index: int, params: list[Tensor], payload: str, owners: list[nn.Parameter] | None = None):
         self.params, self.payload = params, payload
+        self.owners = owners if owners is not None else params
         self.numel = sum(p.numel() for p in params)
         first = params[0]
         self.flat = torch.zeros(PAYLOAD_COPIES[payload] * self.numel, dtype=first.dtype, device=first.device)

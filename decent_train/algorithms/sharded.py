@@ -1,11 +1,13 @@
-"""``algorithm=decentralized`` with ``parallel.shard`` = K > 1: FSDP2 inside each replica of K consecutive workers,
-per-step gossip of the shards across replicas (the ``Gossip`` front of ``step_gossip.py``).
+"""``parallel.shard`` = K > 1: FSDP2 inside each replica of K consecutive workers, and across the replicas per-step
+gossip of the shards (``algorithm=decentralized``: the ``Gossip`` front of ``step_gossip.py``) or local steps with an
+outer step over the topology (``algorithm=diloco``, ``localsgd``: the fronts of ``local_steps.py``).
 
 The model is ``fully_shard``ed per block (``components.models.shard_units``) over the mesh's shard dimension, the
 config's optimizer steps the DTensor parameters after backward (FSDP2 has averaged the gradients inside the replica
-by then), and the front mixes each rank's shard with the same shard of the replicas the topology pairs its replica
-with. Checkpoints: the model and optimizer, sharded, by torch.distributed.checkpoint (DCP) per replica; the rest (the
-schedule, the front's counters and exchange in flight, the generators) in each rank's file as for every algorithm.
+by then), and the front exchanges each rank's shard with the same shard of the replicas the topology pairs its
+replica with. Checkpoints: the model, the optimizers and DiLoCo's anchors, sharded, by torch.distributed.checkpoint
+(DCP) per replica; the rest (the schedule, the front's counters and exchange in flight, the generators) in each rank's
+file as for every algorithm.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict,
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, get_state_dict, set_optimizer_state_dict,
+    set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 
-from decent_train.algorithms.local_steps_algorithms import FrontAlgorithm
+from decent_train.algorithms.local_steps_algorithms import DiLoCoAlgorithm, FrontAlgorithm, LocalSGDAlgorithm
 from decent_train.algorithms.step_gossip import Gossip
 from decent_train.components.checkpoint import ShardedState
 from decent_train.components.metrics import ConsensusProbe
@@ -34,7 +38,7 @@ from decent_train.config import TrainConfig
 from decent_train.engine.membership import local_part
 from decent_train.engine.optimizers import LRSchedulerFn
 
-__all__ = ["ShardedGossip", "shard_model"]
+__all__ = ["ShardedFront", "ShardedGossip", "ShardedDiLoCo", "ShardedLocalSGD", "SHARDED", "shard_model"]
 
 
 def shard_model(net: nn.Module, shard_mesh: Any) -> None:
@@ -44,10 +48,9 @@ def shard_model(net: nn.Module, shard_mesh: Any) -> None:
     fully_shard(net, mesh=shard_mesh)
 
 
-class ShardedGossip(FrontAlgorithm):
-    """Gossip over replicas of an FSDP2-sharded model (see the module)."""
-
-    name = "decentralized"
+class ShardedFront(FrontAlgorithm):
+    """A front's algorithm over replicas of an FSDP2-sharded model: the mesh, the sharding, and what differs from
+    whole models (evaluation's average, consensus, checkpoints, the final model). See the module."""
 
     def __init__(
         self, net: nn.Module, cfg: TrainConfig, schedule: LRSchedulerFn, scaler: torch.amp.GradScaler, steps_taken: int
@@ -60,8 +63,13 @@ class ShardedGossip(FrontAlgorithm):
         shard_model(net, self.mesh["shard"])
         super().__init__(net, cfg, schedule, scaler, steps_taken)
 
-    def _build_front(self, cfg: TrainConfig, kwargs: dict[str, Any]) -> Gossip:
-        return Gossip(self.net, self.inner, cfg.topology.name, mesh=self.mesh, **kwargs)
+    def _front_kwargs(self, cfg: TrainConfig) -> dict[str, Any]:
+        return super()._front_kwargs(cfg) | {"mesh": self.mesh}
+
+    def _probe(self, tensors: list[Tensor], samples: int, seed: int) -> ConsensusProbe:
+        """The replicas' distance, from each rank's shards (the mean over the ranks holding the same shard)."""
+        members = self.front.members
+        return ConsensusProbe(tensors, samples, seed=seed, group=members.replicate_group, replicas=members.replicas)
 
     @property
     def lockstep_group(self) -> dist.ProcessGroup | None:
@@ -72,23 +80,10 @@ class ShardedGossip(FrontAlgorithm):
 
     def info(self) -> dict[str, Any]:
         members = self.front.members
-        topology = self.front.topology
-        return {
-            "parallel/shard": members.shard,
-            "parallel/replicas": members.replicas,
-            "topology/rounds": topology.describe(),
-            "topology/period": topology.period,
-            "topology/spectral_gap": topology.spectral_gap(),
-        }
-
-    def metrics(self) -> dict[str, Any]:
-        return {}
+        return {"parallel/shard": members.shard, "parallel/replicas": members.replicas, **super().info()}
 
     def consensus_probe(self, samples: int, seed: int) -> ConsensusProbe:
-        """The replicas' distance, from each rank's shards (the mean over the ranks holding the same shard)."""
-        members = self.front.members
-        shards = [local_part(p) for p in self.net.parameters() if p.requires_grad]
-        return ConsensusProbe(shards, samples, seed=seed, group=members.replicate_group, replicas=members.replicas)
+        return self._probe([local_part(p) for p in self.net.parameters() if p.requires_grad], samples, seed)
 
     # -- evaluation and the final model ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -124,21 +119,36 @@ class ShardedGossip(FrontAlgorithm):
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """All but the model and the optimizer's state (``sharded_state``, DCP's)."""
+        """All but the sharded tensors (``sharded_state``, DCP's): the model, the optimizers' state, the anchors."""
         state = super().state_dict()
         state["inner"] = None
+        state["front"] |= {"anchors": None, "outer": None}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """After ``load_sharded_state``: the front restarts an exchange due from the anchors loaded there."""
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.front.load_state_dict(state["front"])
 
     def sharded_state(self) -> ShardedState:
-        model, optim = get_state_dict(self.net, self.inner)
         members = self.front.members
-        return ShardedState({"model": model, "optim": optim}, members.replica, members.first_of_shard, members.shard,
+        return ShardedState(self._dcp_state(), members.replica, members.first_of_shard, members.shard,
                             self.shard_group)
+
+    def _dcp_state(self) -> dict[str, Any]:
+        """The sharded tensors as DTensors, keyed by parameter name: views of the live ones (DCP loads in place)."""
+        model, optim = get_state_dict(self.net, self.inner)
+        state: dict[str, Any] = {"model": model, "optim": optim}
+        outer = self.front.outer
+        if outer is not None:
+            state["outer"] = get_optimizer_state_dict(self.net, outer)
+            anchors = dict(zip(
+                [name for name, p in self.net.named_parameters() if p.requires_grad], self.front.anchors()
+            ))
+            params = dict(self.net.named_parameters())
+            state["anchors"] = {name: _like(params[name], anchor) for name, anchor in anchors.items()}
+        return state
 
     def load_sharded_state(self, directory: Path, replicas: list[int]) -> None:
         """The model and optimizer state from the DCP checkpoints of ``replicas`` in ``directory`` (several: their
@@ -147,8 +157,7 @@ class ShardedGossip(FrontAlgorithm):
         with self.front.suspended():  # DCP's optimizer-state template steps the optimizer once (lr 0): not a step
             sums: list[Tensor] = []
             for replica in replicas:
-                model, optim = get_state_dict(self.net, self.inner)
-                state = {"model": model, "optim": optim}
+                state = self._dcp_state()
                 dcp.load(state, checkpoint_id=directory / f"replica{replica}", process_group=self.shard_group)
                 floats = _floats(state)
                 if not sums:
@@ -159,6 +168,52 @@ class ShardedGossip(FrontAlgorithm):
             for total, value in zip(sums, floats):
                 local_part(value).copy_(total.div_(len(replicas)))
             set_state_dict(self.net, self.inner, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            if "outer" in state:
+                set_optimizer_state_dict(self.net, self.front.outer, state["outer"])
+
+
+class ShardedGossip(ShardedFront):
+    """``algorithm=decentralized``: per-step gossip of the shards."""
+
+    name = "decentralized"
+
+    def _build_front(self, cfg: TrainConfig, kwargs: dict[str, Any]) -> Gossip:
+        return Gossip(self.net, self.inner, cfg.topology.name, **kwargs)
+
+    def info(self) -> dict[str, Any]:
+        members, topology = self.front.members, self.front.topology
+        return {
+            "parallel/shard": members.shard,
+            "parallel/replicas": members.replicas,
+            "topology/rounds": topology.describe(),
+            "topology/period": topology.period,
+            "topology/spectral_gap": topology.spectral_gap(),
+        }
+
+    def metrics(self) -> dict[str, Any]:
+        return {}  # no outer steps, no anchors
+
+
+class ShardedDiLoCo(ShardedFront, DiLoCoAlgorithm):
+    """``algorithm=diloco`` over replicas of a sharded model: the outer optimizer steps the DTensor parameters."""
+
+
+class ShardedLocalSGD(ShardedFront, LocalSGDAlgorithm):
+    """``algorithm=localsgd`` over replicas of a sharded model."""
+
+
+SHARDED: dict[str, type[ShardedFront]] = {
+    "decentralized": ShardedGossip, "diloco": ShardedDiLoCo, "localsgd": ShardedLocalSGD,
+}  # ``algorithm=`` -> its class over a sharded model (``parallel.shard`` > 1)
+
+
+def _like(param: Tensor, local: Tensor) -> Tensor:
+    """``local`` (this rank's part of a tensor shaped like ``param``) as a DTensor laid out like ``param``, sharing
+    ``local``'s memory."""
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
 
 
 @contextlib.contextmanager

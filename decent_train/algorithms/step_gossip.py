@@ -23,8 +23,6 @@ mixes with (``ShardedTopology``): every message is 1/shard of the model. Compres
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -71,12 +69,3 @@ class Gossip(LocalSGD):
         self.inner_steps += 1
         self._in_flight = self.exchange.start(self._next_fragment())
 
-    @contextlib.contextmanager
-    def suspended(self) -> Iterator[None]:
-        """Optimizer steps that are not training steps (torch.distributed.checkpoint's state template steps once with
-        lr 0) neither mix nor exchange."""
-        self.__exit__(None, None, None)
-        try:
-            yield
-        finally:
-            self.__enter__()
