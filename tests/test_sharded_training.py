@@ -13,8 +13,8 @@ Oracles, none of them the package's own code path:
 
 The averaged-resume test fails against a wrong oracle: compared with replica 0's saved model instead of the mean,
 every replica's loaded model is 6e-4 (mlp) and 4e-4 (cnn) away from it where the tolerance is 0 (checked in a
-scratch edit, not kept). The cnn's BatchNorm statistics do not survive an exact resume (BATCHNORM_BUG below): those
-two tests are strict xfails, the rest of its resume (parameters, training losses) is checked exactly.
+scratch edit, not kept). Each rank's BatchNorm statistics (its own: FSDP2 leaves buffers whole) are in its own file, so the cnn's resume is
+exact too.
 
 The workers are forked from this process: the modules they would import each on their own (scikit-learn for the
 digits, torch._dynamo for the device mesh, DCP) are imported here once, which takes a run from ~8 s to ~1 s on 2
@@ -61,9 +61,6 @@ TIMING = ("time/", "throughput/", "memory/")
 EVAL = ("eval/",)
 # The cnn's BatchNorm statistics: each rank of a replica keeps its own (FSDP2 leaves buffers whole), and the DCP
 # checkpoint of the replica holds only one rank's (see test_every_ranks_batchnorm_statistics_are_in_the_checkpoint).
-BATCHNORM_BUG = ("package bug: ShardedGossip.sharded_state DCP-saves the replica's buffers once (DCP deduplicates "
-                 "plain tensors across the replica's ranks), so the other ranks' BatchNorm statistics are lost")
-
 
 def _cfg(run_dir: Path, model: str, workers: int = 4, **overrides: Any) -> Any:
     """K = 2 over ``workers`` fork-started workers on one node (no LOCAL_WORLD_SIZE there: the layout is set here)."""
@@ -179,7 +176,7 @@ def _assert_same(got: dict[str, Tensor], want: dict[str, Tensor], names: list[st
 
 
 @pytest.mark.parametrize(
-    "model", ["mlp", pytest.param("cnn", marks=pytest.mark.xfail(strict=True, reason=BATCHNORM_BUG))]
+    "model", ["mlp", "cnn"]
 )
 def test_resumed_run_ends_with_the_uninterrupted_run(
     uninterrupted: Callable[[str], Path], tmp_path: Path, model: str
@@ -195,19 +192,6 @@ def test_resumed_run_ends_with_the_uninterrupted_run(
     assert _measured(resumed) == [r for r in _measured(whole) if r["step"] > EVERY]
 
 
-def test_resumed_cnn_trains_exactly_but_its_batchnorm_statistics(
-    uninterrupted: Callable[[str], Path], tmp_path: Path
-) -> None:
-    """What of the cnn's resume is exact despite the BatchNorm bug: the parameters (so the training, its losses and
-    the replicas' distance). Only the buffers, and the evaluation that uses them, differ."""
-    whole = uninterrupted("cnn")
-    resumed = _died_and_resumed(tmp_path, "cnn")
-    got, want = torch.load(resumed / MODEL_FILE), torch.load(whole / MODEL_FILE)
-    _assert_same(got, want, _parameter_names("cnn"))
-    assert _result(resumed)["train/loss"] == _result(whole)["train/loss"]
-    assert _measured(resumed, skip=EVAL) == [r for r in _measured(whole, skip=EVAL) if r["step"] > EVERY]
-
-
 def _buffers_at(rank: int, world: int, cfg: Any, step: int) -> dict[str, Tensor]:
     """This rank's buffers at the record of ``step`` (a checkpoint step: nothing trains between the two)."""
     buffers: dict[str, Tensor] = {}
@@ -220,17 +204,15 @@ def _buffers_at(rank: int, world: int, cfg: Any, step: int) -> dict[str, Tensor]
     return buffers
 
 
-@pytest.mark.xfail(strict=True, reason=BATCHNORM_BUG)
-def test_every_ranks_batchnorm_statistics_are_in_the_checkpoint(
-    tmp_path: Path, saved_replicas: Callable[[Path, int], list[dict[str, Any]]]
-) -> None:
-    """The bug itself: at the checkpoint the two ranks of a replica hold different running statistics (each
-    normalized its own micro-batches), and the checkpoint must let each continue from its own; DCP keeps one."""
+def test_every_ranks_batchnorm_statistics_are_in_the_checkpoint(tmp_path: Path) -> None:
+    """At the checkpoint the two ranks of a replica hold different running statistics (each normalized its own
+    micro-batches; FSDP2 leaves buffers whole), and each rank's file keeps its own (DCP would keep one per replica)."""
     held = run_workers(_buffers_at, 4, _cfg(tmp_path, "cnn"), EVERY)
-    saved = saved_replicas(tmp_path, EVERY)
     assert not torch.equal(held[0]["1.running_mean"], held[1]["1.running_mean"])  # the ranks of a replica differ
+    directory = _checkpoint(tmp_path, EVERY)
     for rank, buffers in enumerate(held):
-        _assert_same({n: saved[rank // 2]["model"][n] for n in buffers}, buffers, list(buffers))
+        saved = torch.load(directory / f"rank{rank}.pt", weights_only=True)["algorithm"]["buffers"]
+        _assert_same(saved, buffers, list(buffers))
 
 
 # -- 2. averaged resume at another number of replicas ---------------------------------------------------------------
@@ -279,6 +261,10 @@ def test_three_replicas_continue_from_the_mean_of_two(
     assert result["train_time_s"] == math.inf and math.isnan(result["train/loss"])  # nothing was trained
 
     mean = {name: _mean64([s["model"][name] for s in saved]) for name in saved[0]["model"]}
+    # Buffers are each rank's own (in its file, FSDP2 leaves them whole): the mean over all 4 saved ranks.
+    files = [torch.load(_checkpoint(source, STEPS) / f"rank{k}.pt", weights_only=True) for k in range(4)]
+    for name, value in files[0]["algorithm"]["buffers"].items():
+        mean[name] = _mean64([f["algorithm"]["buffers"][name] for f in files]) if value.is_floating_point() else value
     # The oracle tells the mean from either replica: they differ far beyond the tolerance below.
     params = _parameter_names(model)
     assert max((saved[0]["model"][n] - saved[1]["model"][n]).abs().max().item() for n in params) > 1e-4

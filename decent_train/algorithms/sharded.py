@@ -119,16 +119,23 @@ class ShardedFront(FrontAlgorithm):
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """All but the sharded tensors (``sharded_state``, DCP's): the model, the optimizers' state, the anchors."""
+        """All but the sharded tensors (``sharded_state``, DCP's: the model, the optimizers' state, the anchors), and
+        this rank's buffers: FSDP2 leaves them whole, and each rank of a replica updates its own (BatchNorm's
+        statistics of its micro-batches), where DCP would keep one copy per replica."""
         state = super().state_dict()
         state["inner"] = None
         state["front"] |= {"anchors": None, "outer": None}
+        state["buffers"] = {name: b.detach().clone() for name, b in self.net.named_buffers()}
         return state
 
+    @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """After ``load_sharded_state``: the front restarts an exchange due from the anchors loaded there."""
+        """After ``load_sharded_state``: the front restarts an exchange due from the anchors loaded there. The buffers
+        are this rank's own (an averaged resume: every saved rank's average)."""
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
+        for name, value in state["buffers"].items():
+            self.net.get_buffer(name).copy_(value)
         self.front.load_state_dict(state["front"])
 
     def sharded_state(self) -> ShardedState:
