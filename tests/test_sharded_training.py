@@ -53,19 +53,24 @@ from .jobs import make_cfg, records, train_on_cpu
 
 STEPS, EVERY = 8, 4  # checkpoints at 4 and 8; records at every second step
 MODELS = {"mlp": {"name": "mlp", "hidden_sizes": [32]}, "cnn": {"name": "cnn", "channels": [8, 16]}}
+# Runs named by model; "diloco" is the mlp under Streaming DiLoCo over the replicas (a fragment every 3 steps, each
+# exchange started 2 steps before its outer step): at the checkpoint of step 4 fragment 1's exchange is in flight
+# (started after step 4, its outer step after 6) and it has no outer momentum yet; DCP holds the anchors and fragment
+# 0's momentum.
+DILOCO = {"algorithm": {"name": "diloco", "sync_every": 6, "fragments": 2, "fragment_sync_delay": 2}}
+MODELS["diloco"] = MODELS["mlp"]
 SHARDED = {
     "parallel": {"shard": 2}, "steps": STEPS, "eval_every": 0, "checkpoint": {"every": EVERY, "keep": 5},
     "logger": {"log_every": 2, "consensus_every": 2, "wandb": {"mode": "disabled"}},
 }
 TIMING = ("time/", "throughput/", "memory/")
 EVAL = ("eval/",)
-# The cnn's BatchNorm statistics: each rank of a replica keeps its own (FSDP2 leaves buffers whole), and the DCP
-# checkpoint of the replica holds only one rank's (see test_every_ranks_batchnorm_statistics_are_in_the_checkpoint).
 
 def _cfg(run_dir: Path, model: str, workers: int = 4, **overrides: Any) -> Any:
     """K = 2 over ``workers`` fork-started workers on one node (no LOCAL_WORLD_SIZE there: the layout is set here)."""
     layout = {"launch": {"nproc_per_node": workers}, "topology": {"local_world_size": workers}}
-    return make_cfg(run_dir, **SHARDED, **layout, model=MODELS[model], **overrides)
+    algorithm = DILOCO if model == "diloco" else {}
+    return make_cfg(run_dir, **SHARDED, **layout, model=MODELS[model], **algorithm, **overrides)
 
 
 def _result(run_dir: Path) -> dict[str, Any]:
@@ -175,9 +180,7 @@ def _assert_same(got: dict[str, Tensor], want: dict[str, Tensor], names: list[st
         assert torch.equal(got[name], want[name]), f"{name}: {(got[name] - want[name]).abs().max().item():.3g} away"
 
 
-@pytest.mark.parametrize(
-    "model", ["mlp", "cnn"]
-)
+@pytest.mark.parametrize("model", ["mlp", "cnn", "diloco"])
 def test_resumed_run_ends_with_the_uninterrupted_run(
     uninterrupted: Callable[[str], Path], tmp_path: Path, model: str
 ) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, get_state_dict, set_optimizer_state_dict,
@@ -165,7 +166,13 @@ class ShardedFront(FrontAlgorithm):
             sums: list[Tensor] = []
             for replica in replicas:
                 state = self._dcp_state()
-                dcp.load(state, checkpoint_id=directory / f"replica{replica}", process_group=self.shard_group)
+                folder = directory / f"replica{replica}"
+                outer = {"outer": state.pop("outer")} if "outer" in state else {}
+                dcp.load(state, checkpoint_id=folder, process_group=self.shard_group)
+                if outer:  # partial: a fragment not synced yet had no momentum (the template's zeros act alike)
+                    dcp.load(outer, checkpoint_id=folder, process_group=self.shard_group,
+                             planner=DefaultLoadPlanner(allow_partial_load=True))
+                    state |= outer
                 floats = _floats(state)
                 if not sums:
                     sums = [local_part(t).to(torch.float64, copy=True) for t in floats]
