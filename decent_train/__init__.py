@@ -11,15 +11,19 @@ from decent_train.engine.compat import alias_decent_dp_modules
 
 alias_decent_dp_modules(__name__)
 
-__all__ = [*_engine_all, "DiLoCo", "LocalSGD"]
+__all__ = [*_engine_all, "DiLoCo", "LocalSGD", "Gossip"]
 
 
 def __getattr__(name: str) -> object:
-    """The step-hook fronts (algorithms/local_steps.py), imported when first asked for: the engine's import stays
-    light."""
+    """The step-hook fronts (algorithms/local_steps.py, algorithms/step_gossip.py), imported when first asked for: the
+    engine's import stays light."""
     if name in ("DiLoCo", "LocalSGD"):
         from decent_train.algorithms import local_steps
 
         return getattr(local_steps, name)
+    if name == "Gossip":
+        from decent_train.algorithms import step_gossip
+
+        return step_gossip.Gossip
     raise AttributeError(f"module 'decent_train' has no attribute {name!r}")
 __version__ = "0.1.0"
