@@ -4,11 +4,13 @@ training helpers run inside forked workers."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -78,3 +80,13 @@ def worker_pids(run_dir: Path) -> dict[int, int]:
         if b"decent_train.worker" in cmdline and str(run_dir).encode() in b" ".join(cmdline) and b"RANK" in environ:
             found[int(environ[b"RANK"])] = int(entry.name)
     return found
+
+
+def import_script(name: str) -> ModuleType:
+    """``scripts/<name>.py`` as a module (the scripts are not a package): to test a benchmark's functions."""
+    scripts = str(Path(__file__).resolve().parents[1] / "scripts")
+    sys.path.insert(0, scripts)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(scripts)

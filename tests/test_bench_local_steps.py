@@ -14,19 +14,14 @@ import pytest
 import yaml
 from PIL import Image
 
-from tests.jobs import records
+from tests.jobs import import_script, records
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_local_steps.py"
 
 
 @pytest.fixture(scope="module")
 def bench() -> Any:
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import bench_local_steps
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    return bench_local_steps
+    return import_script("bench_local_steps")
 
 
 def record(step: int, bytes_per_step: float, step_ms: float, accuracy: float | None = None, **more: Any) -> dict:

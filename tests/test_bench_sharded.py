@@ -14,18 +14,14 @@ from typing import Any
 import pytest
 
 from decent_train.components.models import ModelConfig, build_model
+from tests.jobs import import_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_sharded.py"
 
 
 @pytest.fixture(scope="module")
 def bench() -> Any:
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import bench_sharded
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    return bench_sharded
+    return import_script("bench_sharded")
 
 
 def tiny(bench: Any, **more: Any) -> Any:
