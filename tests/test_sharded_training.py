@@ -410,3 +410,18 @@ def test_consensus_of_equal_replicas_is_zero() -> None:
     results = run_workers(_probe, 4, 2, torch.float32, True)
     assert all(r["exact"] == (0.0, 0.0) for r in results)
     assert all(d == 0.0 for r in results for d, _ in r["sampled"])
+
+
+def test_a_replica_evaluates_in_lockstep_when_its_ranks_have_unequal_batches(
+    uninterrupted: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """At eval_batch_size=89 the digits' 359 evaluation samples give ranks 0-2 two batches (89 + 1) and rank 3 one:
+    rank 3 repeats its batch, uncounted, while rank 2 (its replica's other rank) gathers parameters for its second.
+    Without that the replica's FSDP2 all-gathers would pair up wrongly or hang. The result is the evaluation of the
+    uninterrupted run (batches of 512) up to the order of the sums."""
+    run_dir = tmp_path / "small_eval_batches"
+    run_workers(train_on_cpu, 4, _cfg(run_dir, "mlp", eval_batch_size=89))
+    mine, theirs = _result(run_dir), _result(uninterrupted("mlp"))
+    assert mine["eval/accuracy"] == theirs["eval/accuracy"]
+    assert mine["eval/loss"] == pytest.approx(theirs["eval/loss"], rel=1e-6)
+    assert mine["train/loss"] == theirs["train/loss"]

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch import Tensor, nn
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, get_state_dict, set_optimizer_state_dict,
     set_state_dict,
@@ -36,6 +36,7 @@ from decent_train.components.checkpoint import ShardedState
 from decent_train.components.metrics import ConsensusProbe
 from decent_train.components.models import shard_units
 from decent_train.config import TrainConfig
+from decent_train.engine.comm import peers_must_answer, run_collective
 from decent_train.engine.membership import local_part
 from decent_train.engine.optimizers import LRSchedulerFn
 
@@ -110,9 +111,10 @@ class ShardedFront(FrontAlgorithm):
         """Shards over the replicas; buffers (BatchNorm's statistics: FSDP2 leaves them whole, each rank updating its
         own) over every rank."""
         self.front.members.average_tensors_(shards, what)
-        for buffer in buffers:
-            dist.all_reduce(buffer)
-            buffer.div_(dist.get_world_size())
+        with peers_must_answer(what):
+            for buffer in buffers:
+                run_collective(dist.all_reduce, buffer)
+                buffer.div_(dist.get_world_size())
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """The whole model (gathered from the shards) on rank 0, on the CPU; others get an empty dict. Collective."""
