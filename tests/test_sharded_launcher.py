@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -66,3 +68,15 @@ def test_bad_sharding_is_one_line_before_any_worker(tmp_path: Path, args: list[s
     assert message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "run" / "logs").exists()  # no worker started
+
+
+@pytest.mark.slow
+def test_an_fsdp2_script_with_its_own_optimizer_adopts_gossip_with_two_lines() -> None:
+    """tests/user_scripts/own_fsdp2.py (FSDP2 over a (replicate, shard) mesh, AdamW, a cosine schedule and gradient
+    clipping of its own) under torchrun on 4 workers, 2 replicas of 2 shards: every rank exits 0 and the loss falls."""
+    script = Path(__file__).parent / "user_scripts" / "own_fsdp2.py"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           str(script), "--shard", "2"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, final = (float(v) for v in re.search(r"first loss ([\d.]+) final loss ([\d.]+)", proc.stdout).groups())
+    assert final < 0.7 * first
