@@ -46,6 +46,7 @@ from decent_train.components.checkpoint import complete_checkpoints
 from decent_train.components.metrics import ConsensusProbe
 from decent_train.components.models import ModelConfig, build_model
 from decent_train.config import MODEL_FILE, RESULT_FILE
+from decent_train.launcher.preflight import preflight
 from decent_train.training import train
 
 from .distributed import run_workers
@@ -70,7 +71,7 @@ def _cfg(run_dir: Path, model: str, workers: int = 4, **overrides: Any) -> Any:
     """K = 2 over ``workers`` fork-started workers on one node (no LOCAL_WORLD_SIZE there: the layout is set here)."""
     layout = {"launch": {"nproc_per_node": workers}, "topology": {"local_world_size": workers}}
     algorithm = DILOCO if model == "diloco" else {}
-    return make_cfg(run_dir, **SHARDED, **layout, model=MODELS[model], **algorithm, **overrides)
+    return make_cfg(run_dir, **{**SHARDED, **layout, "model": MODELS[model], **algorithm, **overrides})
 
 
 def _result(run_dir: Path) -> dict[str, Any]:
@@ -246,21 +247,23 @@ def _flat(state: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: state}
 
 
-@pytest.mark.parametrize("model", ["mlp", "cnn"])
-def test_three_replicas_continue_from_the_mean_of_two(
+@pytest.mark.parametrize(("model", "workers", "shard"), [("mlp", 6, 2), ("cnn", 6, 2), ("mlp", 4, 4)])
+def test_other_replicas_continue_from_the_mean_of_two(
     uninterrupted: Callable[[str], Path], saved_replicas: Callable[[Path, int], list[dict[str, Any]]],
-    tmp_path: Path, model: str,
+    tmp_path: Path, model: str, workers: int, shard: int,
 ) -> None:
-    """6 workers (3 replicas) resume 4 workers' (2 replicas') final checkpoint with nothing left to train: every
-    replica starts from the float64 mean of the 2 saved replicas (model and optimizer state: Adam's moments, the
-    accumulated gradient), and model.pt is that mean (the final average of 3 equal replicas: within float32's
-    rounding of (x + x + x) / 3)."""
+    """6 workers (3 replicas of 2), or 4 workers in one replica of 4 shards (DCP reshards each saved replica), resume
+    4 workers' (2 replicas of 2) final checkpoint with nothing left to train: every replica starts from the float64
+    mean of the 2 saved replicas (model and optimizer state: Adam's moments, the accumulated gradient), and model.pt
+    is that mean (the final average of equal replicas: within float32's rounding of (x + x + x) / 3)."""
     source = uninterrupted(model)
     saved = saved_replicas(source, STEPS)
-    run_dir = tmp_path / "six"
-    held = run_workers(_held_before_the_final_average, 6, _cfg(run_dir, model, 6, resume=str(source)))
+    run_dir = tmp_path / "other"
+    cfg = _cfg(run_dir, model, workers, resume=str(source), parallel={"shard": shard})
+    held = run_workers(_held_before_the_final_average, workers, cfg)
     result = _result(run_dir)
-    assert (result["resumed_from_step"], result["resumed_from_world_size"], result["world_size"]) == (STEPS, 4, 6)
+    assert (result["resumed_from_step"], result.get("resumed_from_world_size", 4), result["world_size"]) == (
+        STEPS, 4, workers)
     assert result["train_time_s"] == math.inf and math.isnan(result["train/loss"])  # nothing was trained
 
     mean = {name: _mean64([s["model"][name] for s in saved]) for name in saved[0]["model"]}
@@ -425,3 +428,12 @@ def test_a_replica_evaluates_in_lockstep_when_its_ranks_have_unequal_batches(
     assert mine["eval/accuracy"] == theirs["eval/accuracy"]
     assert mine["eval/loss"] == pytest.approx(theirs["eval/loss"], rel=1e-6)
     assert mine["train/loss"] == theirs["train/loss"]
+
+
+def test_a_sharded_checkpoint_and_a_whole_model_run_do_not_continue_each_other(
+    uninterrupted: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Whole models cannot load DCP shards (nor FSDP2 a rank file's whole model): one line before any worker."""
+    cfg = make_cfg(tmp_path, model=MODELS["mlp"], resume=str(uninterrupted("mlp")), launch={"nproc_per_node": 4})
+    with pytest.raises(ValueError, match=r"parallel\.shard=2; this run has parallel\.shard=1: resume a sharded run"):
+        preflight(cfg)

@@ -88,12 +88,20 @@ class Checkpoint:
         """The world size the run started with (what its epochs were counted in); older manifests: the writers'."""
         return int(self.manifest.get("run_world_size", self.manifest["world_size"]))
 
-    def describe_mismatch(self, world_size: int, topology: str, model: dict[str, Any]) -> Optional[str]:
-        """Why this checkpoint cannot continue a run of ``world_size`` workers on ``topology`` training ``model`` (its
-        ``ModelConfig.architecture()``); None: it can. At the same world size the topology must be laid out the same
-        way over the nodes; at another, only its name (and phases) must match."""
+    def same_layout(self, world_size: int, shard: int) -> bool:
+        """Whether ``world_size`` workers in replicas of ``shard`` continue it rank by rank (else: from an average)."""
+        return self.world_size == world_size and self.shard == shard
+
+    def describe_mismatch(self, world_size: int, topology: str, model: dict[str, Any], shard: int = 1) -> Optional[str]:
+        """Why this checkpoint cannot continue a run of ``world_size`` workers in replicas of ``shard`` on
+        ``topology`` training ``model`` (its ``ModelConfig.architecture()``); None: it can. At the same layout the
+        topology must be laid out the same way over the nodes; at another, only its name (and phases) must match.
+        Sharded and whole models do not continue each other (DCP reshards between numbers of shards)."""
+        if (self.shard > 1) != (shard > 1):
+            return (f"{self.path} was written with parallel.shard={self.shard}; this run has parallel.shard={shard}: "
+                    "resume a sharded run sharded (any parallel.shard > 1) and a whole-model run with 1")
         theirs = self.manifest["topology"]
-        if self.world_size == world_size:
+        if self.same_layout(world_size, shard):
             same = theirs == topology
         else:
             same = _without_layout(theirs) == _without_layout(topology)
@@ -101,7 +109,7 @@ class Checkpoint:
             return (
                 f"{self.path} was written by {self.world_size} workers with topology {theirs!r}; this run has "
                 f"{world_size} workers with {topology!r}: resume with the same topology"
-                + (", launch.nnodes and launch.nproc_per_node" if self.world_size == world_size else "")
+                + (", launch.nnodes and launch.nproc_per_node" if self.same_layout(world_size, shard) else "")
             )
         theirs = self.manifest.get("model", model)  # older manifests do not say
         if theirs != model:
@@ -112,8 +120,9 @@ class Checkpoint:
 
 
 def _without_layout(topology: str) -> str:
-    """A topology label without its world size and nodes (``ring: 4 workers (1 nodes x 4)`` -> ``ring``)."""
-    return re.sub(r": \d+ workers \(\d+ nodes x \d+\)", "", topology)
+    """A topology label without its world size, nodes and shards (``ring: 4 workers (1 nodes x 4)`` -> ``ring``;
+    ``ring: 2 workers (1 nodes x 2) x 2 shards`` -> ``ring``)."""
+    return re.sub(r": \d+ workers \(\d+ nodes x \d+\)( x \d+ shards)?", "", topology)
 
 
 class _HashingWriter:
@@ -310,11 +319,12 @@ def _with_floats(obj: Any, values: Iterator[torch.Tensor]) -> Any:
 
 
 def load_latest_checkpoint(
-    run_dirs: list[Path], topology: str, model: dict[str, Any], prepare_average: Prepare = lambda state: state
+    run_dirs: list[Path], topology: str, model: dict[str, Any], prepare_average: Prepare = lambda state: state,
+    shard: int = 1,
 ) -> tuple[Optional[Checkpoint], Optional[dict[str, Any]]]:
     """The newest checkpoint in ``run_dirs`` (in order of preference) that every rank can read, and this rank's state:
-    its own file's, or, written by another number of workers, the average of all files' ``prepare_average``d states
-    (marked ``averaged_from``: the number of files).
+    its own file's, or, written by another number of workers (or of ``shard`` per replica), the average of all
+    files' ``prepare_average``d states (marked ``averaged_from``: the number of files).
 
     Collective. A checkpoint with a bad file on any rank is skipped on all, with a warning; a checkpoint of another
     topology or model is an error (``ValueError``).
@@ -322,10 +332,10 @@ def load_latest_checkpoint(
     rank, world = dist.get_rank(), dist.get_world_size()
     for run_dir in run_dirs:
         for checkpoint in complete_checkpoints(run_dir):
-            mismatch = checkpoint.describe_mismatch(world, topology, model)
+            mismatch = checkpoint.describe_mismatch(world, topology, model, shard)
             if mismatch:
                 raise ValueError(mismatch)
-            if checkpoint.world_size == world:
+            if checkpoint.same_layout(world, shard):
                 state, why = _read_file(checkpoint, rank)
             else:
                 state, why = _read_averaged(checkpoint, prepare_average)

@@ -69,7 +69,8 @@ def check_resume(cfg: TrainConfig) -> None:
     if not checkpoints:
         raise ValueError(f"resume={cfg.resume} holds no complete checkpoint (checkpoints/step_*/manifest.json)")
     if cfg.launch.nproc_per_node is not None:
-        mismatch = checkpoints[0].describe_mismatch(cfg.launch.world_size, cfg.schedule(), cfg.model.architecture())
+        mismatch = checkpoints[0].describe_mismatch(cfg.launch.world_size, cfg.schedule(), cfg.model.architecture(),
+                                                    cfg.parallel.shard)
         if mismatch:
             raise ValueError(f"resume={cfg.resume}: {mismatch}")
 

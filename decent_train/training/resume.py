@@ -25,6 +25,7 @@ def load_checkpoint(
     return load_latest_checkpoint(
         [run_dir] + ([Path(cfg.resume)] if cfg.resume else []), cfg.schedule(dist.get_world_size()),
         cfg.model.architecture(), prepare_average=lambda saved: _averageable(saved, algorithm),
+        shard=cfg.parallel.shard,
     )
 
 
@@ -36,16 +37,17 @@ def restore(
     ``batch_size`` per micro-batch."""
     rank, world = dist.get_rank(), dist.get_world_size()
     start_step = checkpoint.step
+    same = checkpoint.same_layout(world, cfg.parallel.shard)
     if state["model"] is None:  # a sharded model: its model and optimizer are the replicas' DCP checkpoints
         saved_replicas = checkpoint.world_size // checkpoint.shard
-        same = checkpoint.world_size == world
         algo.load_sharded_state(checkpoint.path, [rank // checkpoint.shard] if same else list(range(saved_replicas)))
     else:
         _check_fits(algo.net, state["model"], checkpoint.path)
     _restore(algo, state, device)
     data_start = state.get("data_position", start_step * cfg.accum_steps)
     if checkpoint.world_size == world:
-        logger.info(f"resumed from {checkpoint.path} (step {checkpoint.step})")
+        averaged = "" if same else f", from the average of its replicas (parallel.shard was {checkpoint.shard})"
+        logger.info(f"resumed from {checkpoint.path} (step {checkpoint.step}){averaged}")
         return data_start
     saved_batch_size = state.get("batch_size") or cfg.batch_size_per_worker(checkpoint.world_size)
     old, new = (checkpoint.world_size, saved_batch_size), (world, batch_size)
