@@ -135,7 +135,7 @@ class DiLoCo:
                                   shard=shard, replicate_group=replicate_group)
         state = [(n, local_part(t)) for n, t in [*model.named_parameters(), *model.named_buffers()]]
         self.members.check_same_model(state)
-        self.members.broadcast_from_rank0([t.detach() for _, t in state])  # all start from rank 0's (sharded: replica 0's)
+        self.members.broadcast_from_rank0([t.detach() for _, t in state])  # rank 0's (sharded: replica 0's)
         device = next((p.device for _, p in named if p.device.type == "cuda"), torch.device("cpu"))
         self.members.create_exchange_group(device)
         self.topology = self.members.topology(topology)
