@@ -3,6 +3,8 @@
 the replica's combined batch. The whole-model fronts are checked against a float64 replay of their formulas in
 ``tests/test_local_steps.py`` and ``tests/test_streaming.py``; here the sharded runs must equal them (float64, 1e-10):
 the outer optimizer steps the DTensor parameters with the mixed pseudo-gradient's shards, the anchors are shards.
+Per-step gossip with bf16-compressed differences (CHOCO's public copies per shard; bf16 rounds elementwise, so a
+shard's messages are the whole model's rows) equals the whole-model front too.
 A front that handed the outer optimizer half the pseudo-gradient's shards was 0.27 (DiLoCo) and 0.31 (streaming) away
 (checked once by editing ``_gradient_for``, not kept)."""
 
@@ -15,6 +17,7 @@ import torch
 from torch import Tensor
 
 from decent_train.algorithms.local_steps import DiLoCo, LocalSGD
+from decent_train.algorithms.step_gossip import Gossip
 from tests.distributed import run_workers
 from tests.test_sharded_gossip import Net, _batch, _loss, _optimizer
 
@@ -23,6 +26,8 @@ TOLERANCE = 1e-10
 
 
 def _front(model: torch.nn.Module, inner: torch.optim.Optimizer, kind: str, **kwargs: Any) -> DiLoCo:
+    if kind == "gossip-bf16":  # per-step gossip of bf16-compressed differences (elementwise: shards change nothing)
+        return Gossip(model, inner, "ring", compression="bf16", **kwargs)
     if kind == "localsgd":
         return LocalSGD(model, inner, SYNC_EVERY, "ring", **kwargs)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
@@ -46,9 +51,10 @@ def _sharded(rank: int, world_size: int, shard: int, kind: str) -> dict[str, Any
             inner.step()
             inner.zero_grad()
         anchors = [a.clone() for a in front.anchors()]
+        sent = front.bytes_per_inner_step()
     full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
-    local = [p.to_local().detach().clone() for p in model.parameters()]
-    return {"params": full, "local": local, "anchors": anchors, "outer_steps": front.outer_steps}
+    numel = sum(p.to_local().numel() for p in model.parameters())
+    return {"params": full, "anchors": anchors, "outer_steps": front.outer_steps, "sent": sent, "numel": numel}
 
 
 def _whole(rank: int, world_size: int, shard: int, kind: str) -> dict[str, Any]:
@@ -66,7 +72,7 @@ def _whole(rank: int, world_size: int, shard: int, kind: str) -> dict[str, Any]:
             "outer_steps": front.outer_steps}
 
 
-@pytest.mark.parametrize("kind", ["diloco", "streaming", "localsgd"])
+@pytest.mark.parametrize("kind", ["diloco", "streaming", "localsgd", "gossip-bf16"])
 def test_sharded_replicas_equal_whole_model_workers(kind: str) -> None:
     """2 replicas of 2 shards, ring; DiLoCo (Nesterov outer SGD), Streaming DiLoCo (2 fragments), LocalSGD: every
     rank's gathered model equals its replica's whole-model worker, its anchors (DiLoCo) are that worker's anchors'
@@ -78,8 +84,11 @@ def test_sharded_replicas_equal_whole_model_workers(kind: str) -> None:
         want = whole[rank // shard]
         deviation = max((result["params"][n] - want["params"][n]).abs().max().item() for n in want["params"])
         assert deviation <= TOLERANCE, f"rank {rank}: {deviation:.3g} from replica {rank // shard}'s worker"
-        assert result["outer_steps"] == want["outer_steps"] == STEPS // (SYNC_EVERY // (2 if kind == "streaming" else 1))
-        assert len(result["anchors"]) == len(want["anchors"]) == (0 if kind == "localsgd" else 6)
+        period = 1 if kind == "gossip-bf16" else SYNC_EVERY // (2 if kind == "streaming" else 1)
+        assert result["outer_steps"] == want["outer_steps"] == STEPS // period - (kind == "gossip-bf16")
+        assert len(result["anchors"]) == len(want["anchors"]) == (6 if kind in ("diloco", "streaming") else 0)
+        if kind == "gossip-bf16":  # compressed indeed: the pair sends its shard once, in bf16 (2 bytes an element)
+            assert result["sent"] == 2 * result["numel"]
         for mine, theirs in zip(result["anchors"], want["anchors"]):
             rows = torch.chunk(theirs, shard, dim=0)[rank % shard]
             assert mine.shape == rows.shape and (mine - rows).abs().max().item() <= TOLERANCE
