@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from decent_train.algorithms.local_steps_algorithms import DiLoCoAlgorithm, FrontAlgorithm, LocalSGDAlgorithm
 from decent_train.algorithms.step_gossip import Gossip
-from decent_train.components.checkpoint import ShardedState
+from decent_train.components.checkpoint import ShardedState, floating_tensors
 from decent_train.components.metrics import ConsensusProbe
 from decent_train.components.models import shard_units
 from decent_train.config import TrainConfig
@@ -175,7 +175,7 @@ class ShardedFront(FrontAlgorithm):
                     dcp.load(outer, checkpoint_id=folder, process_group=self.shard_group,
                              planner=DefaultLoadPlanner(allow_partial_load=True))
                     state |= outer
-                floats = _floats(state)
+                floats = floating_tensors(state)
                 if not sums:
                     sums = [local_part(t).to(torch.float64, copy=True) for t in floats]
                 else:
@@ -241,14 +241,3 @@ def _without_gradient_sync(net: nn.Module) -> Iterator[None]:
         yield
     finally:
         net.set_requires_gradient_sync(True)
-
-
-def _floats(state: Any) -> list[Tensor]:
-    """The floating-point tensors of a nested state dict, in a fixed order."""
-    if isinstance(state, Tensor):
-        return [state] if state.is_floating_point() else []
-    if isinstance(state, dict):
-        return [t for key in sorted(state, key=str) for t in _floats(state[key])]
-    if isinstance(state, (list, tuple)):
-        return [t for item in state for t in _floats(item)]
-    return []

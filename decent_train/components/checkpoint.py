@@ -281,7 +281,7 @@ def average_states(states: Iterator[dict[str, Any]]) -> dict[str, Any]:
     sums: list[torch.Tensor] = []
     count = 0
     for state in states:
-        floats = _floats(state)
+        floats = floating_tensors(state)
         if first is None:
             first, sums = state, [t.to(torch.float64, copy=True) for t in floats]
         elif len(floats) != len(sums) or any(a.shape != b.shape for a, b in zip(floats, sums)):
@@ -292,23 +292,23 @@ def average_states(states: Iterator[dict[str, Any]]) -> dict[str, Any]:
         count += 1
     if first is None:
         raise ValueError("no state to average")
-    means = iter([total.div_(count).to(t.dtype) for total, t in zip(sums, _floats(first))])
+    means = iter([total.div_(count).to(t.dtype) for total, t in zip(sums, floating_tensors(first))])
     return _with_floats(first, means)
 
 
-def _floats(obj: Any) -> list[torch.Tensor]:
+def floating_tensors(obj: Any) -> list[torch.Tensor]:
     """The floating-point tensors of a nested state, in a fixed order."""
     if isinstance(obj, torch.Tensor):
         return [obj] if obj.is_floating_point() else []
     if isinstance(obj, dict):
-        return [t for key in obj for t in _floats(obj[key])]
+        return [t for key in obj for t in floating_tensors(obj[key])]
     if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in _floats(item)]
+        return [t for item in obj for t in floating_tensors(item)]
     return []
 
 
 def _with_floats(obj: Any, values: Iterator[torch.Tensor]) -> Any:
-    """``obj`` with its floating-point tensors replaced, in :func:`_floats`' order, by ``values``."""
+    """``obj`` with its floating-point tensors replaced, in :func:`floating_tensors`' order, by ``values``."""
     if isinstance(obj, torch.Tensor):
         return next(values) if obj.is_floating_point() else obj
     if isinstance(obj, dict):

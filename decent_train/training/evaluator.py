@@ -55,7 +55,7 @@ def _in_lockstep(
     while True:
         batch = next(batches, None)
         more = torch.tensor([batch is not None], dtype=torch.int32, device=device)
-        dist.all_reduce(more, op=dist.ReduceOp.MAX, group=group)
+        run_collective(dist.all_reduce, more, op=dist.ReduceOp.MAX, group=group)
         if not more.item():
             return
         if batch is not None:

@@ -37,6 +37,7 @@ class Recorder:
         cfg, algo, device = job.cfg, job.algo, job.device
         self.job, self.metrics = job, metrics
         self.consensus = algo.consensus_probe(cfg.logger.consensus_samples, cfg.seed)
+        self.params_bytes = held_bytes(list(algo.net.parameters()))  # this rank's (its shards): fixed
         self.samples_per_step = job.batch_size * cfg.accum_steps  # per worker
         self.phase_ends = {start for start, _ in cfg.phase_starts()[1:]} | {job.total_steps}  # a record closes each
         self.bar = tqdm(
@@ -104,7 +105,7 @@ class Recorder:
         comm_seconds = (algo.comm_wait_seconds() or 0.0) - self.comm_start
         stats = gather(  # one row per worker
             [self.loss_sum, self.micro_batches, elapsed, self.data_seconds, comm_seconds, peak_memory_bytes(device),
-             algo.bytes_per_step(), held_bytes(list(algo.net.parameters())),
+             algo.bytes_per_step(), self.params_bytes,
              held_bytes(optimizer_state_tensors(algo.optimizers()))],
             device,
         )
