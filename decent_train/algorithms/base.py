@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from decent_train.components.checkpoint import ShardedState
 from decent_train.components.metrics import ConsensusProbe
 from decent_train.config import ALGORITHM_TRAITS, AlgorithmTraits, TrainConfig, register_algorithm
+from decent_train.engine.membership import local_part
 from decent_train.engine.optimizers import LRSchedulerFn
 
 
@@ -117,8 +118,13 @@ class Algorithm(ABC):
         return []
 
     def consensus_probe(self, samples: int, seed: int) -> ConsensusProbe:
-        """What the records' ``consensus/distance`` is measured with: the workers' trainable parameters."""
-        return ConsensusProbe([p for p in self.net.parameters() if p.requires_grad], samples, seed=seed)
+        """What the records' ``consensus/distance`` is measured with: the workers' trainable parameters (what this
+        rank holds of them)."""
+        return self.consensus_over([local_part(p) for p in self.net.parameters() if p.requires_grad], samples, seed)
+
+    def consensus_over(self, tensors: list[Tensor], samples: int, seed: int) -> ConsensusProbe:
+        """How far apart the workers' ``tensors`` are (a sharded model's: its replicas', from their shards)."""
+        return ConsensusProbe(tensors, samples, seed=seed)
 
     @property
     def lockstep_group(self) -> dist.ProcessGroup | None:

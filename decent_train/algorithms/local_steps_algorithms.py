@@ -22,7 +22,6 @@ from torch import Tensor, nn
 
 from decent_train.algorithms import local_steps
 from decent_train.algorithms.base import Algorithm, register
-from decent_train.components.metrics import ConsensusProbe
 from decent_train.components.optim import make_optim_fn
 from decent_train.config import AlgorithmConfig, AlgorithmTraits, TrainConfig
 from decent_train.engine.optimizers import LRSchedulerFn
@@ -101,14 +100,10 @@ class FrontAlgorithm(Algorithm):
         # The anchors are updated in place, so one probe (the parameters' coordinates, drawn once) serves the run.
         anchors = self.front.anchors()
         samples = cfg.logger.consensus_samples
-        self.anchor_consensus = self._probe(anchors, samples, cfg.seed) if anchors else None
+        self.anchor_consensus = self.consensus_over(anchors, samples, cfg.seed) if anchors else None
 
     def _build_front(self, cfg: TrainConfig, kwargs: dict[str, Any]) -> local_steps.DiLoCo:
         raise NotImplementedError
-
-    def _probe(self, tensors: list[Tensor], samples: int, seed: int) -> ConsensusProbe:
-        """How far apart the workers' ``tensors`` are (the records' consensus)."""
-        return ConsensusProbe(tensors, samples, seed=seed)
 
     def _front_kwargs(self, cfg: TrainConfig) -> dict[str, Any]:
         """The front's keywords every algorithm here shares: the exchange's compression, the layout, the time

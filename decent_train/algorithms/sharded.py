@@ -68,7 +68,7 @@ class ShardedFront(FrontAlgorithm):
     def _front_kwargs(self, cfg: TrainConfig) -> dict[str, Any]:
         return super()._front_kwargs(cfg) | {"mesh": self.mesh}
 
-    def _probe(self, tensors: list[Tensor], samples: int, seed: int) -> ConsensusProbe:
+    def consensus_over(self, tensors: list[Tensor], samples: int, seed: int) -> ConsensusProbe:
         """The replicas' distance, from each rank's shards (the mean over the ranks holding the same shard)."""
         members = self.front.members
         return ConsensusProbe(tensors, samples, seed=seed, group=members.replicate_group, replicas=members.replicas)
@@ -83,9 +83,6 @@ class ShardedFront(FrontAlgorithm):
     def info(self) -> dict[str, Any]:
         members = self.front.members
         return {"parallel/shard": members.shard, "parallel/replicas": members.replicas, **super().info()}
-
-    def consensus_probe(self, samples: int, seed: int) -> ConsensusProbe:
-        return self._probe([local_part(p) for p in self.net.parameters() if p.requires_grad], samples, seed)
 
     # -- evaluation and the final model ---------------------------------------------------------------------------
     @contextlib.contextmanager
