@@ -39,6 +39,13 @@ PHASE_ALGORITHMS = ("decentralized", ALLREDUCE)  # a phase's engine mode: gossip
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # autocast dtypes
 IMAGE_MODELS = ("cnn", "resnet18", "resnet50")
 COPY_DTYPES = {"param": None, "bf16": torch.bfloat16}
+# parallel.mixed_precision -> FSDP2's (param_dtype, reduce_dtype): what the replica's all-gathers and reduce-scatters
+# carry (None: the parameters' own dtype). The shards the optimizer steps, and so the gossip, keep their own dtype.
+MIXED_PRECISIONS: dict[str, tuple[Optional[torch.dtype], Optional[torch.dtype]]] = {
+    "none": (None, None),
+    "bf16": (torch.bfloat16, torch.float32),
+    "bf16-reduce": (torch.bfloat16, torch.bfloat16),
+}
 
 # What a run directory holds (the launcher, the worker and the plot command agree on these names).
 RESOLVED_CONFIG = "resolved_config.yaml"
@@ -208,10 +215,27 @@ class ParallelConfig:
     (``algorithms/sharded.py``). 1: every worker holds the whole model (the engine)."""
 
     shard: int = 1
+    # FSDP2's MixedPrecisionPolicy (shard > 1): none | bf16 (bf16 all-gathers of the parameters, fp32 reduce-scatters
+    # of the gradients: half the all-gather bytes) | bf16-reduce (bf16 reduce-scatters too) | auto: bf16 with
+    # precision=bf16, else none. Autocast alone would all-gather fp32 parameters and cast them after.
+    mixed_precision: str = "auto"
 
     def __post_init__(self) -> None:
         if self.shard < 1:
             raise ValueError(f"parallel.shard={self.shard} must be >= 1 (workers per model replica)")
+        if self.mixed_precision != "auto" and self.mixed_precision not in MIXED_PRECISIONS:
+            raise ValueError(f"parallel.mixed_precision={self.mixed_precision!r} is not a mixed precision; valid: "
+                             f"auto, {', '.join(MIXED_PRECISIONS)}")
+        if self.shard == 1 and self.mixed_precision != "auto":
+            raise ValueError(f"parallel.mixed_precision={self.mixed_precision} sets FSDP2's policy, and parallel.shard=1"
+                             " runs no FSDP2: set parallel.shard > 1, or leave parallel.mixed_precision=auto")
+
+    def fsdp_dtypes(self, precision: str) -> tuple[Optional[torch.dtype], Optional[torch.dtype]]:
+        """FSDP2's (param_dtype, reduce_dtype) for this run's ``precision`` (``auto`` resolved)."""
+        name = self.mixed_precision
+        if name == "auto":
+            name = "bf16" if precision == "bf16" and self.shard > 1 else "none"
+        return MIXED_PRECISIONS[name]
 
 
 # TrainConfig's keys that are arguments of the engine too (its name for them): one check, the engine's.
@@ -370,6 +394,9 @@ class TrainConfig:
             (self.precision == "fp16", "precision=fp16: FSDP2 needs its own sharded gradient scaler; use "
              "precision=bf16 or fp32"),
             (self.compile, "compile=true: not built for sharded models yet; use compile=false"),
+            (self.parallel.mixed_precision in ("bf16", "bf16-reduce") and self.precision == "fp32",
+             f"parallel.mixed_precision={self.parallel.mixed_precision} and precision=fp32: bf16 parameters without "
+             "autocast would run softmax, norms and the loss in bf16; set precision=bf16, or mixed_precision=none"),
             (self.compression.copy_dtype != "param", f"compression.copy_dtype={self.compression.copy_dtype}: "
              "sharded gossip keeps its public copies in the parameters' dtype; leave compression.copy_dtype=param"),
         ]

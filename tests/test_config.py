@@ -174,6 +174,15 @@ def test_every_option_composes_and_checks(group: str, option: str, data_dirs: di
          "parallel.shard=2 with compression.copy_dtype=bf16"),
         ({"parallel": {"shard": 2}, "launch": {"nproc_per_node": 6}, "topology": {"name": "one-peer-exp"}},
          "topology=one-peer-exp with 6 workers: over 3 replicas (parallel.shard=2)"),
+        # parallel.mixed_precision: FSDP2's policy
+        ({"parallel": {"shard": 2, "mixed_precision": "fp8"}}, "parallel.mixed_precision='fp8' is not a mixed "
+         "precision; valid: auto, none, bf16, bf16-reduce"),
+        ({"parallel": {"mixed_precision": "bf16"}}, "parallel.mixed_precision=bf16 sets FSDP2's policy, and "
+         "parallel.shard=1 runs no FSDP2"),
+        ({"parallel": {"mixed_precision": "none"}}, "parallel.mixed_precision=none sets FSDP2's policy"),
+        ({"parallel": {"shard": 2, "mixed_precision": "bf16-reduce"}, "precision": "fp32"},
+         "parallel.shard=2 with parallel.mixed_precision=bf16-reduce and precision=fp32"),
+        ({"parallel": {"shard": 2, "mixed_precision": "bf16"}, "precision": "fp16"}, "shard=2 with precision=fp16"),
     ],
 )
 def test_bad_values_name_themselves(override: dict, fragment: str) -> None:

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from decent_train.algorithms.local_steps_algorithms import DiLoCoAlgorithm, FrontAlgorithm, LocalSGDAlgorithm
@@ -40,14 +40,29 @@ from decent_train.engine.comm import peers_must_answer, run_collective
 from decent_train.engine.membership import local_part
 from decent_train.engine.optimizers import LRSchedulerFn
 
-__all__ = ["ShardedFront", "ShardedGossip", "ShardedDiLoCo", "ShardedLocalSGD", "SHARDED", "shard_model"]
+__all__ = ["ShardedFront", "ShardedGossip", "ShardedDiLoCo", "ShardedLocalSGD", "SHARDED", "shard_model",
+           "mixed_precision_policy"]
 
 
-def shard_model(net: nn.Module, shard_mesh: Any) -> None:
-    """``fully_shard`` each of ``net``'s units, then ``net`` itself (its remaining parameters: embeddings, the head)."""
+def shard_model(net: nn.Module, shard_mesh: Any, policy: MixedPrecisionPolicy | None = None) -> None:
+    """``fully_shard`` each of ``net``'s units, then ``net`` itself (its remaining parameters: embeddings, the head),
+    all with ``policy``. A policy that casts parameters would hand BatchNorm bf16 weights beside its fp32 statistics,
+    which its kernels refuse: each BatchNorm is then a unit of its own in its own dtype (FSDP1's default)."""
+    policy = policy or MixedPrecisionPolicy()
+    if policy.param_dtype is not None:
+        for norm in [m for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]:
+            fully_shard(norm, mesh=shard_mesh)  # the default policy: no casts
     for unit in shard_units(net):
-        fully_shard(unit, mesh=shard_mesh)
-    fully_shard(net, mesh=shard_mesh)
+        if not isinstance(unit, FSDPModule):
+            fully_shard(unit, mesh=shard_mesh, mp_policy=policy)
+    fully_shard(net, mesh=shard_mesh, mp_policy=policy)
+
+
+def mixed_precision_policy(cfg: TrainConfig) -> MixedPrecisionPolicy:
+    """``parallel.mixed_precision`` as FSDP2's policy. The shards it keeps (what the optimizer steps and the front
+    gossips) stay in their own dtype; only the replica's all-gathers and reduce-scatters change."""
+    param_dtype, reduce_dtype = cfg.parallel.fsdp_dtypes(cfg.precision)
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 
 class ShardedFront(FrontAlgorithm):
@@ -62,7 +77,7 @@ class ShardedFront(FrontAlgorithm):
         self.mesh = init_device_mesh(device.type, (dist.get_world_size() // shard, shard),
                                      mesh_dim_names=("replicate", "shard"))
         self.shard_group = self.mesh.get_group(1)
-        shard_model(net, self.mesh["shard"])
+        shard_model(net, self.mesh["shard"], mixed_precision_policy(cfg))
         super().__init__(net, cfg, schedule, scaler, steps_taken)
 
     def _front_kwargs(self, cfg: TrainConfig) -> dict[str, Any]:
