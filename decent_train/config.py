@@ -227,8 +227,8 @@ class ParallelConfig:
             raise ValueError(f"parallel.mixed_precision={self.mixed_precision!r} is not a mixed precision; valid: "
                              f"auto, {', '.join(MIXED_PRECISIONS)}")
         if self.shard == 1 and self.mixed_precision != "auto":
-            raise ValueError(f"parallel.mixed_precision={self.mixed_precision} sets FSDP2's policy, and parallel.shard=1"
-                             " runs no FSDP2: set parallel.shard > 1, or leave parallel.mixed_precision=auto")
+            raise ValueError(f"parallel.mixed_precision={self.mixed_precision} sets FSDP2's policy, and "
+                             "parallel.shard=1 runs no FSDP2: set parallel.shard > 1, or leave it auto")
 
     def fsdp_dtypes(self, precision: str) -> tuple[Optional[torch.dtype], Optional[torch.dtype]]:
         """FSDP2's (param_dtype, reduce_dtype) for this run's ``precision`` (``auto`` resolved)."""

@@ -259,7 +259,8 @@ def test_the_config_names_the_policy(precision: str, mixed_precision: str, want:
 def _trained(mixed_precision: str, run_dir: Path) -> dict[str, Tensor]:
     cfg = make_cfg(run_dir, parallel={"shard": 2, "mixed_precision": mixed_precision}, precision="bf16",
                    model={"name": "cnn", "channels": [8, 16]}, launch={"nproc_per_node": 4},
-                   topology={"local_world_size": 4}, eval_every=0, logger={"log_every": 2, "wandb": {"mode": "disabled"}})
+                   topology={"local_world_size": 4}, eval_every=0,
+                   logger={"log_every": 2, "wandb": {"mode": "disabled"}})
     run_workers(train_on_cpu, 4, cfg)
     return torch.load(run_dir / MODEL_FILE)
 
