@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from decent_train.algorithms.offload import HostStore, OuterStateHome, held_bytes_by_place, resolve_offload
 from decent_train.algorithms.outer_exchange import (
     Fragment, InFlight, OuterExchange, OuterGroup, payload_kind, split_parameters,
 )
@@ -90,7 +91,15 @@ class DiLoCo:
     """``with DiLoCo(model, inner, outer, sync_every=H, topology="complete"):`` around a training loop that calls
     ``inner.step()``. ``outer`` must be built over the model's parameters (torchft's convention). ``fragments``: a
     number, or the modules whose parameters form each fragment (torchft's ``model_fragments``); ``compression``:
-    ``"int8"``, ``"bf16"`` or a compressor, applied to what an outer step sends."""
+    ``"int8"``, ``"bf16"`` or a compressor, applied to what an outer step sends.
+
+    ``offload``: keep the anchors, the outer optimizer's state and the compressed public copies in (pinned) host
+    memory between outer steps, and device buffers only for the fragment whose exchange is in flight (offload.py):
+    the device holds at most one fragment's worth instead of 4x to ~15x the model. ``None`` (the default): on when
+    the parameters are on CUDA and an outer step comes less often than every inner step (per-step gossip would move
+    its whole state every step); ``False`` keeps everything on the device, as small models may; ``True`` forces it
+    (on the CPU the same code path copies host to host). The result is the same either way (tests/
+    test_local_steps_offload.py). :meth:`memory_bytes` says what the front holds where."""
 
     anchored = True  # keeps anchors and steps an outer optimizer (LocalSGD does neither)
 
@@ -111,6 +120,7 @@ class DiLoCo:
         local_world_size: int | None = None,
         timeout: float | None = None,
         mesh: DeviceMesh | None = None,
+        offload: bool | None = None,
     ):
         count = fragments if isinstance(fragments, int) else len(fragments)
         check_local_steps_arguments(sync_every, count, fragment_sync_delay, fragment_update_alpha)
@@ -141,13 +151,19 @@ class DiLoCo:
         self.members.create_exchange_group(device)
         self.topology = self.members.topology(topology)
         payload = payload_kind(self.anchored, self.topology, compressor is not None)
+        self.device = device
+        self.offloaded = resolve_offload(offload, device) and (offload is not None or sync_every > 1)
+        store = HostStore(device) if self.offloaded else None
+        self.store = store
+        in_place = payload == "delta" and self.topology.world_size > 2  # an all-reduce of three or more: no pairs
         self.fragments: list[Fragment] = []
         for params in parts:
             by_kind: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
             for p in params:
                 by_kind.setdefault((p.dtype, p.device), []).append(p)
             first = sum(len(f.groups) for f in self.fragments)  # exchange buffers are numbered across fragments
-            groups = [OuterGroup(first + i, [local_part(p) for p in ps], payload, owners=ps)
+            groups = [OuterGroup(first + i, [local_part(p) for p in ps], payload, owners=ps, store=store,
+                                 reduce_in_place=in_place)
                       for i, ps in enumerate(by_kind.values())]
             self.fragments.append(Fragment(groups))
         if compressor is not None:
@@ -155,6 +171,7 @@ class DiLoCo:
             for group in self.groups:
                 group.compress(compressor, mine)
         self.exchange = OuterExchange(self.members, self.topology, consensus_step)
+        self.outer_home = OuterStateHome(store, outer) if store is not None and outer is not None else None
         self.inner_steps = 0
         self.outer_steps = 0  # outer steps taken, of all fragments
         self._in_flight: InFlight | None = None
@@ -166,9 +183,37 @@ class DiLoCo:
 
     def anchors(self) -> list[Tensor]:
         """The anchors of the trainable parameters (of their local shards), in ``model.parameters()`` order (LocalSGD
-        keeps none: [])."""
+        keeps none: []); offloaded: the host copies, which every outer step updates in place (call
+        :meth:`host_state_ready` before reading them later)."""
+        self.host_state_ready()
         by_param = {id(p): a for g in self.groups for p, a in zip(g.owners, g.anchors)}
         return [by_param[id(p)] for p in self.model.parameters() if id(p) in by_param]
+
+    def host_state_ready(self) -> None:
+        """Offload: the host waits for the copies out in flight (before it reads host memory: a checkpoint, the
+        anchors' consensus). Nothing otherwise."""
+        if self.store is not None:
+            self.store.wait()
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of the tensors this front holds now, by place: ``"device"`` (the parameters' device) and ``"host"``
+        (offloaded). Walked: every fragment's anchors, exchange buffers (payload, receive buffer, staged result),
+        compressed scratch, messages and public copies, and the outer optimizer's state of the front's parameters;
+        each storage once. On CUDA a tensor counts where it is; with the parameters on the CPU (where the two places
+        are one memory) a tensor counts by the container it is in: the offload's host-resident copies as host, all
+        else (the device-resident set: the buffers of an exchange in flight and what was moved in for it, and
+        everything without offload) as device."""
+        held = [item for group in self.groups for item in group.held()]
+        if self.outer is not None:
+            held += [(local_part(v), self._at_home(p, v)) for group in self.groups for p in group.owners
+                     for v in self.outer.state.get(p, {}).values() if isinstance(v, Tensor)]
+        if self.outer_home is not None:
+            held += self.outer_home.held()
+        return held_bytes_by_place(held, self.device.type == "cuda")
+
+    def _at_home(self, param: Tensor, value: Tensor) -> bool:
+        home = self.outer_home.home.get(param, {}) if self.outer_home is not None else {}
+        return any(value is h for h in home.values())
 
     def bytes_per_inner_step(self) -> float:
         """Bytes this worker sends per inner step: every fragment's outer step once per ``sync_every`` inner steps,
@@ -185,14 +230,16 @@ class DiLoCo:
         optimizer's state, compressed public copies, and an exchange in flight (waited for: its mixed result). Resume:
         build the front, then load the model, the inner optimizer and this. Every worker calls it at the same step."""
         in_flight = self._in_flight
+        mixed = None if in_flight is None else [m.clone() for m in self.exchange.finish(in_flight)]
+        self.host_state_ready()
         return {
             "inner_steps": self.inner_steps,
             "outer_steps": self.outer_steps,
             "fragment_syncs": [f.syncs for f in self.fragments],
             "anchors": [[a.clone() for a in group.anchors] for group in self.groups],
             "outer": self.outer.state_dict() if self.outer is not None else None,
-            "copies": [g.buffers.compressed.state() if g.buffers.compressed is not None else None for g in self.groups],
-            "in_flight": None if in_flight is None else [m.clone() for m in self.exchange.finish(in_flight)],
+            "copies": [g.copies_state() for g in self.groups],
+            "in_flight": mixed,
         }
 
     @torch.no_grad()
@@ -200,6 +247,9 @@ class DiLoCo:
         """Continue from ``state_dict()``; without its ``copies`` and ``in_flight`` (an average of several workers'
         states: parameters and anchors equal everywhere) the copies restart from the payload and an exchange due to
         be in flight starts from the parameters now."""
+        for group in self.groups:
+            group.discard()  # offload: an exchange in flight is dropped (as without); the host state is overwritten
+        self.host_state_ready()
         if state["anchors"] is not None:  # None: loaded already (a sharded model's, from its DCP checkpoint)
             saved = [[tuple(a.shape) for a in anchors] for anchors in state["anchors"]]
             mine = [[tuple(a.shape) for a in group.anchors] for group in self.groups]
@@ -209,21 +259,24 @@ class DiLoCo:
                 if anchors:  # LocalSGD keeps none
                     torch._foreach_copy_(group.anchors, anchors)
         if self.outer is not None and state["outer"] is not None:
-            self.outer.load_state_dict(state["outer"])
+            self.outer.load_state_dict(state["outer"])  # torch puts the state on the parameters' device
+        if self.outer_home is not None:  # (a sharded model's comes from DCP, loaded before)
+            self.outer_home.prefetched.clear()
+            self.outer_home.send_home([p for g in self.groups for p in g.owners])
         self.inner_steps, self.outer_steps = int(state["inner_steps"]), int(state["outer_steps"])
         for fragment, syncs in zip(self.fragments, state.get("fragment_syncs", [self.outer_steps])):
             fragment.syncs = int(syncs)
         copies = state.get("copies") or [None] * len(self.groups)
         for group, saved_copies in zip(self.groups, copies):
             if saved_copies is not None and group.buffers.compressed is not None:
-                group.buffers.compressed.load(saved_copies)
+                group.load_copies(saved_copies)
             else:
                 group.reset_copies()
         self._in_flight = None
         if self._exchange_due():
             fragment = self._next_fragment()
             mixed = state.get("in_flight")
-            self._in_flight = (self.exchange.start(fragment) if mixed is None
+            self._in_flight = (self._start(fragment) if mixed is None
                                else InFlight(fragment, fragment.syncs, [], [], mixed=[m.clone() for m in mixed]))
 
     @contextlib.contextmanager
@@ -262,22 +315,35 @@ class DiLoCo:
         self.inner_steps += 1
         local = self._local_step()
         if local == self.period - self.delay:
-            self._in_flight = self.exchange.start(self._next_fragment())
+            self._in_flight = self._start(self._next_fragment())
         if local == self.period:
             self.outer_step()
+
+    def _start(self, fragment: Fragment) -> InFlight:
+        """Start ``fragment``'s exchange; offload: and its outer optimizer's state on its way to the device."""
+        if self.store is not None:  # one fragment in flight at a time: its exchange starts P − τ > 0 steps after the
+            # previous one's outer step (τ < P), and ends at its own outer step
+            assert not any(g.acquired for g in self.groups), "another fragment's exchange is still in flight"
+            if self.outer_home is not None:
+                self.outer_home.prefetch([p for g in fragment.groups for p in g.owners])
+        return self.exchange.start(fragment)
 
     @torch.no_grad()
     def outer_step(self) -> None:
         """Finish the exchange in flight (started now if none is) and take the fragment's outer step."""
-        exchange = self._in_flight or self.exchange.start(self._next_fragment())
+        exchange = self._in_flight or self._start(self._next_fragment())
         self._in_flight = None
         mixed = self.exchange.finish(exchange)
         fragment = exchange.fragment
+        for group in fragment.groups:
+            group.acquire([])  # offload, resumed with the exchange's result: the anchors for the step
         local = [[p.detach().clone() for p in g.params] for g in fragment.groups] if self.alpha else None
         self._apply(fragment, mixed)
         if local is not None:
             for group, kept in zip(fragment.groups, local):
                 torch._foreach_lerp_([p.detach() for p in group.params], kept, self.alpha)
+        for group in fragment.groups:
+            group.release()  # offload: the anchors and public copies back to host memory, the buffers dropped
         fragment.syncs += 1
         self.outer_steps += 1
 
@@ -289,7 +355,7 @@ class DiLoCo:
             first, second = group.views(value)
             params = [p.detach() for p in group.params]
             if group.payload == "delta":
-                torch._foreach_copy_(params, group.anchors)
+                torch._foreach_copy_(params, group.live_anchors)
                 gradients.append(first)
             else:
                 torch._foreach_copy_(params, second)
@@ -297,7 +363,7 @@ class DiLoCo:
                 gradients.append(second)
         self._outer_step_over(fragment, gradients)
         for group in fragment.groups:
-            torch._foreach_copy_(group.anchors, [p.detach() for p in group.params])
+            torch._foreach_copy_(group.live_anchors, [p.detach() for p in group.params])
 
     def _outer_step_over(self, fragment: Fragment, gradients: list[list[Tensor]]) -> None:
         """``outer.step()`` with ``gradients`` on the fragment's parameters and no gradient on the others (skipped by
@@ -310,7 +376,12 @@ class DiLoCo:
         for group, grads in zip(fragment.groups, gradients):
             for p, g in zip(group.owners, grads):
                 p.grad = _gradient_for(p, g)
+        owners = [p for group in fragment.groups for p in group.owners]
+        if self.outer_home is not None:
+            self.outer_home.bring_in(owners)
         self.outer.step()
+        if self.outer_home is not None:
+            self.outer_home.send_home(owners)
         for p, grad in zip(everything, kept):
             p.grad = grad
 

@@ -18,12 +18,13 @@ residual, so the payload is ``x+anchor`` on every topology.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from decent_train.algorithms.offload import HostStore
 from decent_train.components.metrics import gossip_bytes_per_step
 from decent_train.engine.comm import CommWaits, peers_must_answer
 from decent_train.engine.compress import CompressedGossip, Compressor
@@ -50,29 +51,161 @@ def payload_kind(anchored: bool, topology: Topology, compressed: bool) -> str:
 class OuterGroup:
     """A fragment's parameters of one dtype and device: their anchors and the exchange buffer of the payload.
     ``params`` are what this rank holds of ``owners``, the model's parameters: the parameters themselves, or their
-    local shards (FSDP2's DTensors)."""
+    local shards (FSDP2's DTensors).
 
-    def __init__(self, index: int, params: list[Tensor], payload: str, owners: list[nn.Parameter] | None = None):
-        self.params, self.payload = params, payload
+    With a ``store`` (offload, offload.py) the anchors and public copies live in host memory and the device buffers
+    exist only between :meth:`acquire` (the exchange starts) and :meth:`release` (after the outer step): then
+    ``live_anchors`` and the round's copies are device copies of the host ones. ``reduce_in_place``: every round is
+    one uniform all-reduce of three or more workers (``delta``), so the payload is reduced in place, without a
+    ``comm`` copy (the engine's finish reads ``comm`` only: the sum)."""
+
+    def __init__(self, index: int, params: list[Tensor], payload: str, owners: list[nn.Parameter] | None = None,
+                 store: HostStore | None = None, reduce_in_place: bool = False):
+        self.params, self.payload, self.store = params, payload, store
         self.owners = owners if owners is not None else params
         self.numel = sum(p.numel() for p in params)
+        self.reduce_in_place = reduce_in_place and store is not None
         first = params[0]
-        self.flat = torch.zeros(PAYLOAD_COPIES[payload] * self.numel, dtype=first.dtype, device=first.device)
-        self.buffers = ExchangeBuffers(index=index, flat=self.flat, comm=torch.zeros_like(self.flat))
-        self.anchors = [p.detach().clone() for p in params] if payload != "x" else []  # LocalSGD's x: none
+        self.acquired = False
+        if store is None:
+            self.flat = torch.zeros(PAYLOAD_COPIES[payload] * self.numel, dtype=first.dtype, device=first.device)
+            self.buffers = ExchangeBuffers(index=index, flat=self.flat, comm=torch.zeros_like(self.flat))
+            self.anchors = [p.detach().clone() for p in params] if payload != "x" else []  # LocalSGD's x: none
+        else:
+            self.flat = first.new_empty(0)
+            self.buffers = ExchangeBuffers(index=index, flat=self.flat, comm=self.flat)
+            self.anchors = store.to_host([p.detach() for p in params]) if payload != "x" else []
+        self.live_anchors = self.anchors  # the anchors the exchange and the outer step use (offload: on the device)
+        self.home_copies: dict[Any, Any] = {}  # offload: the public copies in host memory, by group
 
     def compress(self, compressor: Compressor, groups: list[Edge]) -> None:
         """Send compressed differences to public copies, which start at this payload (equal on every worker)."""
         self.buffers.comm = self.flat.new_zeros(0)
-        self.buffers.compressed = CompressedGossip.create(compressor, self.flat, groups, None)
+        if self.store is None:
+            self.buffers.compressed = CompressedGossip.create(compressor, self.flat, groups, None)
+        else:  # the copies in host memory; the scratch and the messages exist while an exchange is in flight
+            shape = torch.empty(PAYLOAD_COPIES[self.payload] * self.numel, dtype=self.flat.dtype, device="meta")
+            compressed = CompressedGossip.create(compressor, shape, groups, None)
+            self.home_copies = {key: replace(c, own=self.store.host_like(c.own), others=self.store.host_like(c.others))
+                                for key, c in compressed.copies.items()}
+            compressed.copies = dict(self.home_copies)
+            self.buffers.compressed = compressed
+            self._message_numel, self._slots = compressed.outgoing.numel(), len(compressed.incoming)
+            self._drop_device_buffers()
         self.reset_copies()
 
     def reset_copies(self) -> None:
         """The public copies to the payload now; every worker must hold the same (at the start, or after an averaged
         resume)."""
         if self.buffers.compressed is not None:
+            self.acquire(list(self.home_copies))
             self.fill()
             self.buffers.compressed.reset(self.flat)
+            self.release()
+
+    def acquire(self, keys: list[Any]) -> None:
+        """Offload: the device buffers of an exchange, and device copies of the anchors and of the public copies of
+        the groups ``keys`` (``CompressedGossip.key``s of this round's stages). Nothing without offload, or if held."""
+        store = self.store
+        if store is None or self.acquired:
+            return
+        self.acquired = True
+        self.flat = torch.empty(PAYLOAD_COPIES[self.payload] * self.numel, dtype=self.flat.dtype,
+                                device=self.flat.device)
+        self.buffers.flat = self.flat
+        compressed = self.buffers.compressed
+        keys = [k for k in keys if k in self.home_copies]
+        homes = [t for k in keys for t in (self.home_copies[k].own, self.home_copies[k].others)]
+        working, _ = store.to_device(list(self.anchors) + homes)
+        self.live_anchors = working[: len(self.anchors)]
+        if compressed is None:
+            self.buffers.comm = self.flat if self.reduce_in_place else torch.empty_like(self.flat)
+            return
+        copies = working[len(self.anchors):]
+        for i, key in enumerate(keys):
+            compressed.copies[key] = replace(self.home_copies[key], own=copies[2 * i], others=copies[2 * i + 1])
+        compressed.scratch = self.flat.new_zeros(compressed.compressor.padded_numel(compressed.numel))
+        compressed.outgoing = self.flat.new_zeros(self._message_numel, dtype=torch.uint8)
+        compressed.incoming = [self.flat.new_zeros(self._message_numel, dtype=torch.uint8)
+                               for _ in range(self._slots)]
+
+    def release(self) -> None:
+        """Offload: copy the anchors and the round's public copies back to host memory and drop the device buffers
+        (the copies out finish before their memory is reused: offload.py)."""
+        store = self.store
+        if store is None or not self.acquired:
+            return
+        homes, working = list(self.anchors), list(self.live_anchors)
+        compressed = self.buffers.compressed
+        if compressed is not None:
+            for key, home in self.home_copies.items():
+                current = compressed.copies[key]
+                if current is not home:
+                    homes += [home.own, home.others]
+                    working += [current.own, current.others]
+                    compressed.copies[key] = home
+        store.copy_out(homes, working)
+        self._drop_device_buffers()
+
+    def discard(self) -> None:
+        """Offload: drop the device buffers without copying anything back (a resume overwrites the host state)."""
+        if self.store is not None and self.acquired:
+            if self.buffers.compressed is not None:
+                self.buffers.compressed.copies = dict(self.home_copies)
+            self._drop_device_buffers()
+
+    def _drop_device_buffers(self) -> None:
+        self.flat = self.flat.new_empty(0)
+        self.buffers.flat = self.buffers.comm = self.flat
+        self.buffers.staged = self.buffers.group_received = None
+        compressed = self.buffers.compressed
+        if compressed is not None:
+            compressed.scratch = compressed.outgoing = self.flat.new_empty(0)
+            compressed.incoming = []
+        self.live_anchors = self.anchors
+        self.acquired = False
+
+    def held(self) -> list[tuple[Tensor, bool]]:
+        """(tensor, at home) for every tensor this group holds now: anchors, exchange buffers, public copies, the
+        scratch and messages of compression."""
+        at_home = self.store is not None
+        buffers, compressed = self.buffers, self.buffers.compressed
+        held = [(a, at_home) for a in self.anchors]
+        held += [(a, False) for a in self.live_anchors if self.live_anchors is not self.anchors]
+        held += [(t, False) for t in (buffers.flat, buffers.comm, buffers.staged, buffers.group_received)
+                 if t is not None]
+        if compressed is not None:
+            held += [(t, False) for t in (compressed.scratch, compressed.outgoing, *compressed.incoming)]
+            for key, copies in compressed.copies.items():
+                home = self.home_copies.get(key)
+                held += [(copies.own, copies is home), (copies.others, copies is home)]
+            held += [(t, True) for key, home in self.home_copies.items() if compressed.copies[key] is not home
+                     for t in (home.own, home.others)]
+        return held
+
+    def copies_state(self) -> dict[str, Any] | None:
+        """The public copies for a checkpoint (``CompressedGossip.state``'s form; offloaded and at rest, the messages
+        are zeros: an outer exchange writes them before it reads them)."""
+        compressed = self.buffers.compressed
+        if compressed is None:
+            return None
+        if self.store is None or self.acquired:
+            return compressed.state()
+        return {"copies": {key: (c.own.clone(), c.others.clone()) for key, c in compressed.copies.items()},
+                "incoming": [torch.zeros(self._message_numel, dtype=torch.uint8) for _ in range(self._slots)]}
+
+    def load_copies(self, state: dict[str, Any]) -> None:
+        """The public copies from :meth:`copies_state` (offloaded: into the host copies; nothing may be in flight)."""
+        compressed = self.buffers.compressed
+        if self.store is None:
+            compressed.load(state)
+            return
+        if set(state["copies"]) != set(self.home_copies):
+            raise ValueError(f"the saved public copies are for the groups {sorted(state['copies'])}, this worker's are "
+                             f"{sorted(self.home_copies)}")
+        for key, (own, others) in state["copies"].items():
+            self.home_copies[key].own.copy_(own)
+            self.home_copies[key].others.copy_(others)
 
     @torch.no_grad()
     def fill(self) -> None:
@@ -80,12 +213,12 @@ class OuterGroup:
         first, second = self.views(self.flat)
         params = [p.detach() for p in self.params]
         if self.payload == "delta":
-            torch._foreach_copy_(first, self.anchors)
+            torch._foreach_copy_(first, self.live_anchors)
             torch._foreach_sub_(first, params)
             return
         torch._foreach_copy_(first, params)
         if second:
-            torch._foreach_copy_(second, self.anchors)
+            torch._foreach_copy_(second, self.live_anchors)
 
     def views(self, flat: Tensor) -> tuple[list[Tensor], list[Tensor]]:
         """``flat``'s first part and its anchor part (``x+anchor`` only; else empty), shaped like the parameters."""
@@ -98,10 +231,11 @@ class OuterGroup:
         return first, second
 
     def message_bytes(self) -> int:
+        numel = PAYLOAD_COPIES[self.payload] * self.numel
         compressed = self.buffers.compressed
         if compressed is not None:
-            return compressed.compressor.message_bytes(self.flat.numel())
-        return self.flat.numel() * self.flat.element_size()
+            return compressed.compressor.message_bytes(numel)
+        return numel * self.flat.element_size()
 
 
 @dataclass
@@ -175,6 +309,7 @@ class OuterExchange:
         stages, overlapped = self.topology.edges(round_), self.topology.async_stage(round_)
         values, works = [], []
         for group in fragment.groups:
+            group.acquire([CompressedGossip.key(edge) for edge in stages if edge.size > 1])  # offload: on the device
             group.fill()
             value = group.flat
             for edge in stages[:overlapped]:
