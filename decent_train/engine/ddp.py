@@ -26,8 +26,8 @@ parameters change only at the mix and the gradient is still taken at x^s.
 
 Modes. ``topology="allreduce"`` (or ``switch_to("allreduce")``) averages each bucket's gradients instead (modes.py).
 
-This module keeps the hooks, the order of a step, ``switch_to`` and ``global_avg``. The rest, one question per file:
-buckets.py (layout), modes.py (what a bucket does), steps.py (deferred steps), exchange.py and compress.py (what is
+This module keeps the order of a step, ``switch_to`` and ``global_avg``. The rest, one question per file:
+buckets.py (layout), readiness.py (when a bucket's gradients are all there: one hook per bucket), modes.py (what a bucket does), steps.py (deferred steps), exchange.py and compress.py (what is
 sent; int8_kernels.py its compiled loops), membership.py (who is in the run and its process groups), state.py
 (checkpoints), host_memory.py (malloc on the CPU), compat.py (decent-dp's names).
 """
@@ -58,6 +58,7 @@ from decent_train.engine.host_memory import keep_freed_host_memory
 from decent_train.engine.membership import Membership, TopologySpec
 from decent_train.engine.modes import ALLREDUCE, AllReduceMode, GossipMode, Mode, ModeContext, Progress
 from decent_train.engine.optimizers import LRSchedulerFn, OptimFn
+from decent_train.engine.readiness import GradientReadiness
 from decent_train.engine.steps import BucketSteps
 from decent_train.engine.topology import Topology
 
@@ -191,7 +192,6 @@ class DecentralizedDataParallel(nn.Module):
         self._armed = False  # a training forward ran since the last step
         self._backward_started = False
         self._next_bucket = 0  # buckets are processed strictly in index order (same on all ranks)
-        self._ready_params: set[int] = set()
         self._global_average: _GlobalAverage | None = None
 
         if from_rank0:
@@ -220,9 +220,7 @@ class DecentralizedDataParallel(nn.Module):
             self._members, exchanger, CommWaits(self._members.timeout), BucketSteps(scaler, grad_clip_norm),
             self._progress, param_as_bucket_view, fault_tolerant=fault_tolerant,
         )
-        for bucket in self._buckets:
-            for param in bucket.params:
-                param.register_post_accumulate_grad_hook(lambda p, b=bucket: self._on_grad_ready(b, p))
+        self._readiness = GradientReadiness(self._buckets, self._on_grad_ready)
         self._mode = self._make_mode(topology, start=0)
         self._start_compression(identical=True)
         if self._members.rank == 0:
@@ -287,6 +285,7 @@ class DecentralizedDataParallel(nn.Module):
                 )
                 self._drop_pending_exchanges()
             self._armed = True
+            self._readiness.start_step()
         output = self.module(*args, **kwargs)
         if training_step:
             step = self._progress.step
@@ -318,16 +317,11 @@ class DecentralizedDataParallel(nn.Module):
             return
         if not self._armed:
             raise RuntimeError(_SECOND_BACKWARD)
-        if id(param) in self._ready_params:
-            raise RuntimeError(
-                f"DecentralizedDataParallel: parameter '{bucket.names[bucket.params.index(param)]}' received its "
-                "gradient twice in one backward (reentrant activation checkpointing?); use use_reentrant=False"
-            )
-        self._ready_params.add(id(param))
-        bucket.ready += 1
         if not self._backward_started:
             self._backward_started = True
             Variable._execution_engine.queue_callback(self._finish_backward)
+        if not self._readiness.arrived(bucket, param):
+            return
         while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].complete:
             self._on_bucket_ready(self._buckets[self._next_bucket])
             self._next_bucket += 1
@@ -343,6 +337,7 @@ class DecentralizedDataParallel(nn.Module):
         """End of backward: the buckets left (unused parameters); the updates that wait for the end of backward (each
         as soon as its gradients are gathered, or all after the deferred steps' agreement); then the next step."""
         mode, steps = self._mode, self._context.steps
+        self._readiness.end_of_backward()
         for bucket in self._buckets[self._next_bucket :]:
             self._on_bucket_ready(bucket)
         for bucket in self._buckets:  # in launch order: each updates while the later buckets' sums are in flight
@@ -354,9 +349,7 @@ class DecentralizedDataParallel(nn.Module):
             for bucket in self._buckets:
                 mode.update(bucket)
         steps.end_step()
-        for bucket in self._buckets:
-            bucket.ready = 0
-        self._ready_params.clear()
+        self._readiness.finish()
         self._next_bucket = 0
         self._armed = self._backward_started = False
         self._progress.step += 1
