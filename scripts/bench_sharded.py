@@ -3,6 +3,7 @@ HSDP, in one run on CPU with gloo::
 
     python scripts/bench_sharded.py --workers 8 --width 128 --layers 4 --steps 8 --out scripts/benchmarks/sharded.json
     python scripts/bench_sharded.py --workers 4 --no-timing        # memory and bytes only (~30 s)
+    python scripts/bench_sharded.py --workers 4 --no-timing --mixed-precision bf16    # FSDP2's bf16 all-gathers
 
 The model is the launcher's GPT-2 (``build_model(ModelConfig(name="gpt2", ...))``, ``--width``, ``--layers``,
 ``--heads``, context ``--context``, a vocabulary of ``--vocab`` tokens), float32, AdamW. For every K in ``--ks`` the
@@ -33,6 +34,12 @@ What is measured, per rank:
   ``decent_train/components/metrics.py`` (a ring all-reduce: 2(R-1)/R x the shard), and for reference an unsharded
   all-reduce of the whole model over all workers, ``allreduce_bytes_per_step(workers, model bytes)`` (DDP). The
   traffic inside a replica (FSDP2's all-gathers and reduce-scatter) is the same in both and not counted.
+* bytes sent inside a replica per step, counted at FSDP2's collectives (``dist.all_gather_single``,
+  ``dist.reduce_scatter_single``, patched during one step of the gossip model): as ring collectives over its K ranks,
+  an all-gather sends (K−1) x its input and a reduce-scatter (K−1)/K x its input; with their dtypes.
+  ``--mixed-precision`` (as ``parallel.mixed_precision``: none, bf16, bf16-reduce) is the ``MixedPrecisionPolicy`` of
+  both models' ``fully_shard`` calls; the optimizer's shards and the gossip stay fp32. No autocast: bf16 computes in
+  bf16.
 * time per step (``--repeats`` x ``--steps`` steps of each, interleaved, after ``--warmup``): the slowest rank's mean
   per repeat, the median over repeats. A gossip block ends with ``outer_step()`` (its last exchange waited for inside
   the block). CPU, gloo over loopback, more processes than cores: the ratio only, not what a GPU cluster does.
@@ -43,6 +50,7 @@ Writes ``--out`` (JSON) and prints a table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import json
@@ -57,6 +65,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -68,13 +77,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from decent_train.algorithms.step_gossip import Gossip  # noqa: E402  (imported before the workers fork)
 from decent_train.components.metrics import allreduce_bytes_per_step  # noqa: E402
 from decent_train.components.models import ModelConfig, build_model  # noqa: E402
+from decent_train.config import MIXED_PRECISIONS  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -94,6 +104,7 @@ class Config:
     repeats: int = 5
     warmup: int = 2  # untimed steps of each variant (the first of them is where memory is measured)
     timing: bool = True
+    mixed_precision: str = "none"  # FSDP2's policy, as parallel.mixed_precision (MIXED_PRECISIONS)
 
 
 def build_gpt(cfg: Config) -> nn.Module:
@@ -109,9 +120,11 @@ def shard(cfg: Config, mesh: Any) -> nn.Module:
     initialization, drawn shard by shard): no rank ever holds the whole model, as FSDP2 is meant to be used."""
     with torch.device("meta"):
         model = build_gpt(cfg)
+    param_dtype, reduce_dtype = MIXED_PRECISIONS[cfg.mixed_precision]
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     model.to_empty(device="cpu")
     generator = torch.Generator().manual_seed(0)  # the same draws on every rank: replicas start equal (HSDP)
     with torch.no_grad():
@@ -142,6 +155,33 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
                 else:
                     moments += local_bytes(value)
     return moments, counters
+
+
+@contextlib.contextmanager
+def replica_traffic(k: int, into: dict[str, Any]) -> Iterator[None]:
+    """Adds to ``into`` what FSDP2's all-gathers and reduce-scatters inside the replica send from this rank while
+    inside (ring collectives over the replica's ``k`` ranks; see the module) and the dtypes they carry."""
+    originals = dist.all_gather_single, dist.reduce_scatter_single
+
+    def gather(output: Tensor, input: Tensor, *args: Any, **kwargs: Any) -> Any:
+        into["all_gather_bytes"] += (k - 1) * input.numel() * input.element_size()
+        into["all_gather_dtypes"].add(str(input.dtype).removeprefix("torch."))
+        return originals[0](output, input, *args, **kwargs)
+
+    def reduce_scatter(*args: Any, **kwargs: Any) -> Any:
+        input = kwargs["input"]
+        into["reduce_scatter_bytes"] += (k - 1) / k * input.numel() * input.element_size()
+        into["reduce_scatter_dtypes"].add(str(input.dtype).removeprefix("torch."))
+        return originals[1](*args, **kwargs)
+
+    into.update(all_gather_bytes=0, reduce_scatter_bytes=0.0, all_gather_dtypes=set(), reduce_scatter_dtypes=set())
+    dist.all_gather_single, dist.reduce_scatter_single = gather, reduce_scatter
+    try:
+        yield
+    finally:
+        dist.all_gather_single, dist.reduce_scatter_single = originals
+        for key in ("all_gather_dtypes", "reduce_scatter_dtypes"):
+            into[key] = sorted(into[key])
 
 
 def _status(key: str) -> int | None:
@@ -217,7 +257,10 @@ def measure_worker(rank: int, world: int, cfg: Config, k: int) -> dict[str, Any]
     gossip = Gossip(model, optimizer, cfg.topology, mesh=mesh, local_world_size=world)
     out: dict[str, Any] = {"rank": rank, "k": k, "replicas": replicas, "shard_position": rank % k}
     with gossip:
-        _train_step(model, optimizer, cfg, rank, 0, zero=False)
+        traffic: dict[str, Any] = {}
+        with replica_traffic(k, traffic):
+            _train_step(model, optimizer, cfg, rank, 0, zero=False)
+        out |= {f"replica_{key}": value for key, value in traffic.items()}
         moments, counters = optimizer_bytes(optimizer)
         out |= {
             "param_bytes": sum(local_bytes(p) for p in model.parameters()),
@@ -362,6 +405,10 @@ def measure(cfg: Config) -> dict[str, Any]:
             "rss_held_delta_bytes_mean": stat("rss_held_delta_bytes", statistics.mean),
             "gossip_bytes_per_step_mean": stat("gossip_bytes_per_step", statistics.mean),
             "gossip_bytes_per_step_max": stat("gossip_bytes_per_step"),
+            "replica_all_gather_bytes_per_step_max": stat("replica_all_gather_bytes"),
+            "replica_reduce_scatter_bytes_per_step_max": stat("replica_reduce_scatter_bytes"),
+            "replica_dtypes": {"all_gather": ranks[0]["replica_all_gather_dtypes"],
+                               "reduce_scatter": ranks[0]["replica_reduce_scatter_dtypes"]},
             "hsdp_bytes_per_step_mean": stat("hsdp_bytes_per_step", statistics.mean),
             "hsdp_bytes_per_step_max": stat("hsdp_bytes_per_step"),
             "allreduce_unsharded_bytes_per_step": allreduce_bytes_per_step(cfg.workers, model_bytes),
@@ -386,8 +433,10 @@ def measure(cfg: Config) -> dict[str, Any]:
         "what": "FSDP2-sharded gossip (Gossip front, ring over replicas) vs HSDP: per-rank local bytes of parameters, "
                 "gradients, AdamW moments and gossip buffers after one step; bytes sent across replicas per step "
                 "(gossip: bytes_per_inner_step(); HSDP: metrics.allreduce_bytes_per_step(replicas, shard bytes), a "
-                "ring all-reduce estimate; unsharded: allreduce_bytes_per_step(workers, model bytes)); time per step "
-                "on CPU/gloo loopback (slowest rank, median over repeats)",
+                "ring all-reduce estimate; unsharded: allreduce_bytes_per_step(workers, model bytes)); bytes sent "
+                "inside a replica per step by FSDP2's all-gathers and reduce-scatters (counted at the collectives, "
+                "ring costs), under --mixed-precision; time per step on CPU/gloo loopback (slowest rank, median over "
+                "repeats)",
         "config": asdict(cfg),
         "model": {"parameters": parameters, "param_bytes": model_bytes},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
@@ -405,18 +454,19 @@ def table(result: dict[str, Any]) -> str:
     lines = [
         f"GPT-2 width {cfg['width']}, {cfg['layers']} layers, vocab {cfg['vocab']}: {model['parameters']:,} "
         f"parameters, {model['param_bytes'] / 1e6:.3f} MB; {cfg['workers']} workers (gloo, CPU); per-rank bytes are "
-        "the largest rank's (MB)",
+        f"the largest rank's (MB); FSDP2 mixed precision: {cfg['mixed_precision']}",
         "",
         "| K | replicas | params | grads | AdamW moments | gossip buffers | total (vs K=1) | RSS held / peak delta "
-        "| gossip B/step | HSDP all-reduce B/step (est.) | gossip/HSDP | unsharded all-reduce B/step | gossip ms "
-        "| HSDP ms | gossip/HSDP time |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| gossip B/step | HSDP all-reduce B/step (est.) | gossip/HSDP | unsharded all-reduce B/step "
+        "| in-replica all-gather / reduce-scatter B/step | gossip ms | HSDP ms | gossip/HSDP time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         def ratio(v: float | None) -> str:
             return "-" if v is None else f"{v:.2f}x"
 
         ms = (lambda v: "-" if v is None else f"{v:.1f}")
+        dtypes = (lambda row, key: f"({'/'.join(row['replica_dtypes'][key])})" if row["replica_dtypes"][key] else "")
         lines.append(
             f"| {r['k']} | {r['replicas']} | {_mb(r['param_bytes_max'])} ({r['param_ratio_vs_first']:.3f}) "
             f"| {_mb(r['grad_bytes_max'])} | {_mb(r['optimizer_bytes_max'])} ({r['optimizer_ratio_vs_first']:.3f}) "
@@ -424,7 +474,10 @@ def table(result: dict[str, Any]) -> str:
             f"| {_mb(r['rss_held_delta_bytes_max'])} / {_mb(r['rss_peak_delta_bytes_max'])} "
             f"| {_mb(r['gossip_bytes_per_step_mean'])} "
             f"| {_mb(r['hsdp_bytes_per_step_mean'])} | {ratio(r['gossip_vs_hsdp_bytes'])} "
-            f"| {_mb(r['allreduce_unsharded_bytes_per_step'])} | {ms(r['gossip_step_ms'])} | {ms(r['hsdp_step_ms'])} "
+            f"| {_mb(r['allreduce_unsharded_bytes_per_step'])} "
+            f"| {_mb(r['replica_all_gather_bytes_per_step_max'])} {dtypes(r, 'all_gather')} / "
+            f"{_mb(r['replica_reduce_scatter_bytes_per_step_max'])} {dtypes(r, 'reduce_scatter')} "
+            f"| {ms(r['gossip_step_ms'])} | {ms(r['hsdp_step_ms'])} "
             f"| {ratio(r['gossip_vs_hsdp_time'])} |"
         )
     lines.append("")
@@ -464,11 +517,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=defaults.repeats)
     parser.add_argument("--warmup", type=int, default=defaults.warmup)
     parser.add_argument("--no-timing", action="store_true", help="memory and bytes only")
+    parser.add_argument("--mixed-precision", default=defaults.mixed_precision, choices=list(MIXED_PRECISIONS),
+                        help="FSDP2's MixedPrecisionPolicy, as parallel.mixed_precision")
     parser.add_argument("--out", type=Path, default=HERE / "benchmarks" / "sharded.json")
     args = parser.parse_args()
     cfg = Config(workers=args.workers, width=args.width, layers=args.layers, heads=args.heads, context=args.context,
                  vocab=args.vocab, batch=args.batch, ks=[int(k) for k in args.ks.split(",")], topology=args.topology,
-                 steps=args.steps, repeats=args.repeats, warmup=max(1, args.warmup), timing=not args.no_timing)
+                 steps=args.steps, repeats=args.repeats, warmup=max(1, args.warmup), timing=not args.no_timing,
+                 mixed_precision=args.mixed_precision)
     code = code_version()  # before the run: the package measured, not one committed during it
     start = time.monotonic()
     result = measure(cfg)
