@@ -37,7 +37,9 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from decent_train.algorithms.offload import HostStore, OuterStateHome, held_bytes_by_place, resolve_offload
+from decent_train.algorithms.offload import (
+    HostStore, OuterStateHome, check_offload, held_bytes_by_place, resolve_offload,
+)
 from decent_train.algorithms.outer_exchange import (
     Fragment, InFlight, OuterExchange, OuterGroup, payload_kind, split_parameters,
 )
@@ -125,6 +127,7 @@ class DiLoCo:
         count = fragments if isinstance(fragments, int) else len(fragments)
         check_local_steps_arguments(sync_every, count, fragment_sync_delay, fragment_update_alpha)
         check_consensus_step(consensus_step)
+        check_offload(offload)
         compressor = make_compressor(compression, int8_block)
         if outer is None and self.anchored:
             raise ValueError("DiLoCo needs an outer optimizer over the model's parameters (LocalSGD has none)")

@@ -29,17 +29,20 @@ from torch.optim import Optimizer
 
 from decent_train.engine.membership import local_part
 
-__all__ = ["HostStore", "OuterStateHome", "resolve_offload", "held_bytes_by_place"]
+__all__ = ["HostStore", "OuterStateHome", "check_offload", "held_bytes_by_place", "resolve_offload"]
 
 
-def resolve_offload(offload: Any, device: torch.device) -> bool:
+def check_offload(offload: Any) -> None:
+    """One line naming a bad ``offload`` and what is valid."""
+    if offload is not None and not isinstance(offload, bool):
+        raise ValueError(f"offload={offload!r}: valid are None (on when the parameters are on CUDA), True, False")
+
+
+def resolve_offload(offload: bool | None, device: torch.device) -> bool:
     """``None``: on when the parameters are on CUDA; ``True``/``False`` force it (True on the CPU runs the same code
     path, host to host)."""
-    if offload is None:
-        return device.type == "cuda"
-    if not isinstance(offload, bool):
-        raise ValueError(f"offload={offload!r}: valid are None (on when the parameters are on CUDA), True, False")
-    return offload
+    check_offload(offload)
+    return device.type == "cuda" if offload is None else offload
 
 
 class HostStore:

@@ -1,0 +1,330 @@
+"""DiLoCo, LocalSGD and Streaming DiLoCo with ``offload`` (algorithms/offload.py, issue 37): the anchors, the outer
+optimizer's state and the compressed public copies in host memory between outer steps, device buffers only for the
+fragment whose exchange is in flight.
+
+- The result does not change: each run with ``offload=True`` equals the same run with ``offload=False`` and the
+  float64 replays of tests/test_local_steps.py and tests/test_streaming.py (1e-10, float64), and resumes bit-exactly.
+- Where each buffer lives (acceptance: "with offload, the parameters' device holds at most one fragment plus a
+  constant"), from the front's own ``memory_bytes()``, which is checked against a hand count of the tensors' bytes
+  at every inner step of a Streaming DiLoCo run of 4 equal fragments (int8 over a ring; complete, uncompressed).
+- Wrong variants: an offload that does not copy the outer optimizer's state back to host memory after the step
+  deviates; one that keeps each fragment's device buffers after its outer step breaks the memory bound.
+- On CUDA (``gpu``, skipped here): ``memory_bytes()["device"]`` against ``torch.cuda.memory_allocated()``, peak memory
+  against a plain loop plus one fragment, and equality with ``offload=False``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from decent_train import DiLoCo, LocalSGD
+from decent_train.algorithms.offload import resolve_offload
+from tests.distributed import run_workers
+from tests.replay import batch, loss_fn, make_model
+from tests.test_gpu import DEVICE, gpu_test, group_of_one, record  # noqa: F401 -- group_of_one: a fixture
+from tests.test_local_steps import _replay as local_steps_replay
+from tests.test_streaming import STREAMED, _modules, _resumed
+from tests.test_streaming import _replay as streaming_replay
+
+TOLERANCE = 1e-10  # float64: offload moves values, it computes nothing else
+WRONG = 1e-6  # a wrong variant's deviation (measured: see the test)
+
+
+def _inner(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.01)
+
+
+def _outer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def _front(model: nn.Module, inner: torch.optim.Optimizer, kind: str, topology: str, options: dict[str, Any]) -> DiLoCo:
+    options = dict(options)
+    if options.get("fragments") == "modules":
+        options["fragments"] = [m for m in model if isinstance(m, nn.Linear)]
+    sync_every = options.pop("sync_every")
+    if kind == "localsgd":
+        return LocalSGD(model, inner, sync_every, topology, **options)
+    return DiLoCo(model, inner, _outer(model.parameters()), sync_every, topology, **options)
+
+
+def _stale_outer_state(front: DiLoCo) -> None:
+    """Wrong variant: after the outer step the optimizer gets its host copies back without the step's values
+    copied into them (the momentum stays as it was after a fragment's first outer step)."""
+    home, original = front.outer_home, front.outer_home.send_home
+
+    def send_home(params: list[torch.Tensor]) -> None:
+        if not all(p in home.home for p in params):
+            return original(params)
+        for p in params:
+            front.outer.state[p].update(home.home[p])
+
+    home.send_home = send_home
+
+
+def _train(rank: int, world_size: int, kind: str, topology: str, options: dict[str, Any], steps: int,
+           variant: str = "exact") -> list[torch.Tensor]:
+    model = make_model(seed=rank)
+    inner = _inner(model.parameters())
+    front = _front(model, inner, kind, topology, options)
+    if variant == "stale_outer_state":
+        _stale_outer_state(front)
+    with front:
+        for step in range(steps):
+            loss_fn(model, rank, step).backward()
+            inner.step()
+            inner.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _deviation(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) -> float:
+    return max((a - b).abs().max().item() for g, w in zip(got, want) for a, b in zip(g, w))
+
+
+STREAMING = {"sync_every": 9, "fragment_sync_delay": 2, "fragment_update_alpha": 0.5, "fragments": "modules"}
+CASES = {  # name: (kind, topology, options, steps, the replay that applies)
+    "diloco-complete": ("diloco", "complete", {"sync_every": 5}, 20, "local_steps"),
+    "diloco-ring": ("diloco", "ring", {"sync_every": 5}, 20, "local_steps"),
+    "localsgd-ring": ("localsgd", "ring", {"sync_every": 5}, 20, "local_steps"),
+    "streaming-ring": ("diloco", "ring", STREAMING, 18, "streaming"),
+    "streaming-complete": ("diloco", "complete", STREAMING, 18, "streaming"),
+    "streaming-localsgd": ("localsgd", "one-peer-exp", STREAMING, 18, "streaming"),
+    "int8-ring": ("diloco", "ring", {"sync_every": 5, "compression": "int8"}, 20, None),
+    "streaming-int8-ring": ("diloco", "ring", {**STREAMING, "compression": "int8"}, 18, None),
+}
+
+
+def _replayed(name: str) -> list[list[torch.Tensor]] | None:
+    kind, topology, options, steps, replay = CASES[name]
+    if replay == "local_steps":
+        return local_steps_replay(4, topology, options["sync_every"], kind == "localsgd", steps)
+    if replay == "streaming":
+        return streaming_replay(4, topology, steps, options["sync_every"], options["fragment_sync_delay"],
+                                options["fragment_update_alpha"], kind == "localsgd")
+    return None
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_offload_changes_nothing(name: str) -> None:
+    """4 workers: with offload every worker's parameters equal those of the run without (1e-10) and, where there is
+    one, the float64 replay (int8 has none: there the mean-preserving compression is test_streaming's)."""
+    kind, topology, options, steps, _ = CASES[name]
+    offloaded = run_workers(_train, 4, kind, topology, {**options, "offload": True}, steps)
+    on_device = run_workers(_train, 4, kind, topology, {**options, "offload": False}, steps)
+    assert _deviation(offloaded, on_device) <= TOLERANCE
+    expected = _replayed(name)
+    if expected is not None:
+        assert _deviation(offloaded, expected) <= TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["diloco-ring", "int8-ring"])
+def test_an_offload_that_leaves_the_outer_state_stale_deviates(name: str) -> None:
+    """The wrong variant: the outer optimizer's host copies are put back without the step's values (so every step
+    after a fragment's first uses its first momentum; 4 outer steps, so the stale momentum is used twice). Measured
+    0.055 (diloco-ring) and 0.055 (int8-ring) from the right run: far above the tolerance, so the test above
+    would catch it."""
+    kind, topology, options, steps, _ = CASES[name]
+    wrong = run_workers(_train, 4, kind, topology, {**options, "offload": True}, steps, "stale_outer_state")
+    right = run_workers(_train, 4, kind, topology, {**options, "offload": False}, steps)
+    assert _deviation(wrong, right) > WRONG
+
+
+@pytest.mark.parametrize("options", [{}, STREAMED, {**STREAMED, "compression": "int8"}],
+                         ids=["diloco", "streamed", "streamed-int8"])
+@pytest.mark.parametrize("stop", [5, 6])  # streamed: an exchange in flight (started after step 5 of 6); after a sync
+def test_a_resumed_offloaded_run_ends_bit_identical(stop: int, options: dict[str, Any]) -> None:
+    """test_streaming's resume with offload: the anchors, outer momentum and public copies saved from host memory
+    and loaded back into it (the outer optimizer's state, which torch loads onto the parameters' device, sent home)."""
+    for result in run_workers(_resumed, 4, stop, {**options, "offload": True}, False):
+        assert all(torch.equal(a, b) for a, b in zip(result["straight"], result["resumed"]))
+
+
+def test_offload_argument() -> None:
+    """None: on where the parameters are on CUDA; a bool forces it; anything else is one line."""
+    assert resolve_offload(None, torch.device("cuda", 0)) and not resolve_offload(None, torch.device("cpu"))
+    assert resolve_offload(True, torch.device("cpu")) and not resolve_offload(False, torch.device("cuda", 0))
+    model = make_model()
+    with pytest.raises(ValueError, match=r"offload='yes': valid are None \(on when the parameters are on CUDA\), "
+                                         r"True, False"):
+        DiLoCo(model, _inner(model.parameters()), _outer(model.parameters()), 4, offload="yes")
+
+
+# -- where each buffer lives ----------------------------------------------------------------------------------------
+
+FRAGMENTS, WIDTH, PERIOD, DELAY = 4, 8, 2, 1  # 4 equal Linear(8, 8) fragments of 72 float64 elements
+NUMEL, ELEMENT = WIDTH * WIDTH + WIDTH, 8
+MEMORY_STEPS = 2 * FRAGMENTS * PERIOD  # every fragment syncs twice
+CONSTANT = 0  # bytes the device holds with offload besides one fragment's (the bound's constant: none is needed)
+
+
+def _equal_fragments(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for i in range(FRAGMENTS):
+        layers += [nn.Linear(WIDTH, WIDTH)] + ([nn.Tanh()] if i < FRAGMENTS - 1 else [])
+    return nn.Sequential(*layers).double()
+
+
+def _memory_run(rank: int, world_size: int, topology: str, compression: str | None, offload: bool,
+                variant: str) -> list[dict[str, int]]:
+    """``memory_bytes()`` after every inner step (a post-hook registered after the front's)."""
+    model = _equal_fragments(rank)
+    inner = _inner(model.parameters())
+    options = {"sync_every": FRAGMENTS * PERIOD, "fragment_sync_delay": DELAY, "fragments": "modules",
+               "compression": compression, "offload": offload}
+    front = _front(model, inner, "diloco", topology, options)
+    if variant == "buffers_kept":  # wrong: the outer step copies back, but the device buffers stay
+        for group in front.groups:
+            group._drop_device_buffers = lambda group=group: setattr(group, "acquired", False)
+    seen: list[dict[str, int]] = []
+    with front:
+        inner.register_step_post_hook(lambda *_: seen.append(front.memory_bytes()))
+        for step in range(MEMORY_STEPS):
+            x = batch(rank, step)[0]
+            ((model(x) - x.flip(1)) ** 2).mean().backward()
+            inner.step()
+            inner.zero_grad()
+    return seen
+
+
+def _hand_count(topology: str, compression: str | None, offload: bool, step: int) -> dict[str, int]:
+    """The bytes the front holds after inner step ``step`` (1, 2, ...), counted from the schedule and the sizes:
+    fragment k's exchange starts after step k P + P − τ and its outer step is taken after step (k + 1) P."""
+    in_flight = (step - 1) // PERIOD % FRAGMENTS if step % PERIOD == PERIOD - DELAY else None
+    outer_steps = step // PERIOD
+    synced = [sum(1 for k in range(outer_steps) if k % FRAGMENTS == f) for f in range(FRAGMENTS)]
+    started = [synced[f] + (f == in_flight) for f in range(FRAGMENTS)]  # exchanges started so far
+    n = NUMEL
+    if compression is None:  # complete, 4 workers: the mean pseudo-gradient all-reduced (``delta``)
+        payload, copies, scratch, messages = n, 0, 0, 0
+        comm = 0 if offload else n  # offload reduces in place
+    else:  # int8, ring of 4: [x, anchor]; a pair's copies for each of the 2 rounds' pairs; one message out, one in
+        payload, comm = 2 * n, 0
+        padded = math.ceil(payload / 256) * 256
+        copies, scratch, messages = 2 * 2 * payload, padded, 2 * (padded + 4 * padded // 256)
+    device = host = 0
+    for f in range(FRAGMENTS):
+        momentum = n if synced[f] else 0  # the outer optimizer's, made at the fragment's first outer step
+        if not offload:
+            staged = payload if synced[f] else 0  # the engine's, made at the first finish
+            device += ELEMENT * (payload + comm + staged + n + copies + scratch + momentum) + messages
+            continue
+        host += ELEMENT * (n + copies + momentum)
+        if f == in_flight:  # the payload, the anchors, this round's pair of copies and the momentum moved in
+            device += ELEMENT * (payload + n + copies // 2 + scratch + momentum) + messages
+        assert started[f] >= synced[f]
+    return {"device": device, "host": host}
+
+
+def _one_fragment_bound(compression: str | None) -> int:
+    """The most a fragment's exchange holds on the device with offload, at its outer step (its staged result too):
+    the bound of the acceptance, independent of the number of fragments."""
+    n = NUMEL
+    if compression is None:
+        return ELEMENT * (n + n + n + n)  # payload (reduced in place), staged, anchors, momentum
+    payload = 2 * n
+    padded = math.ceil(payload / 256) * 256
+    return ELEMENT * (payload + payload + n + 2 * payload + padded + n) + 2 * (padded + 4 * padded // 256)
+
+
+@pytest.mark.parametrize("topology, compression", [("ring", "int8"), ("complete", None)], ids=["int8-ring", "complete"])
+def test_the_device_holds_one_fragment_with_offload(topology: str, compression: str | None) -> None:
+    """At every inner step: ``memory_bytes()`` equals the hand count (with offload and without), with offload the
+    device holds at most one fragment's bound plus ``CONSTANT`` (and some steps hold it: an exchange is in flight),
+    without it, once every fragment has synced, at least F times the bound."""
+    bound = _one_fragment_bound(compression)
+    for offload in (True, False):
+        for seen in run_workers(_memory_run, 4, topology, compression, offload, "exact"):
+            assert len(seen) == MEMORY_STEPS
+            for step, measured in enumerate(seen, start=1):
+                assert measured == _hand_count(topology, compression, offload, step), (offload, step)
+                if offload:
+                    assert measured["device"] <= bound + CONSTANT
+                elif step >= FRAGMENTS * PERIOD:  # every fragment synced: its staged result and momentum exist
+                    assert measured["device"] >= FRAGMENTS * bound and measured["host"] == 0
+            if offload:
+                assert max(m["device"] for m in seen) > 0 and min(m["device"] for m in seen) == 0
+
+
+def test_a_front_that_keeps_the_buffers_breaks_the_bound() -> None:
+    """The wrong variant (device buffers kept after the outer step, the host copies updated all the same) is caught
+    by the bound: by the end it holds every fragment's buffers (3.0x the bound, measured)."""
+    seen = run_workers(_memory_run, 4, "ring", "int8", True, "buffers_kept")[0]
+    assert max(m["device"] for m in seen) > _one_fragment_bound("int8") + CONSTANT
+
+
+# -- on CUDA --------------------------------------------------------------------------------------------------------
+
+GPU_WIDTH, GPU_FRAGMENTS, GPU_STEPS = 1024, 4, 16  # 4 Linear(1024, 1024) fragments, fp32: 4 MiB each
+
+
+def _gpu_run(offload: bool | None, plain: bool = False) -> dict[str, Any]:
+    """Streaming DiLoCo (complete over a group of one: H=8, 4 fragments, τ=1) or the plain loop, on DEVICE: the
+    parameters, peak memory, and per inner step memory_bytes() beside torch.cuda.memory_allocated() less what the
+    model, its gradients and AdamW's state hold."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(GPU_WIDTH, GPU_WIDTH) for _ in range(GPU_FRAGMENTS)]).to(DEVICE)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(64, GPU_WIDTH, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(1))
+
+    def step() -> None:
+        ((model(x) - x) ** 2).mean().backward()
+        inner.step()
+        inner.zero_grad(set_to_none=False)  # the gradients stay allocated: a constant baseline
+
+    cuda = DEVICE.type == "cuda"
+    step()  # AdamW's state and the gradients exist
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated() if cuda else 0
+
+    def allocated() -> int:
+        """The allocator's bytes over the baseline once the copies out finished: memory the front dropped while a
+        copy out still read it is freed at the allocator's next allocation after that (record_stream)."""
+        if not cuda:
+            return 0
+        torch.cuda.synchronize()
+        torch.empty(1, device=DEVICE)
+        return torch.cuda.memory_allocated() - baseline
+
+    pairs: list[tuple[int, int]] = []
+    front = None
+    if not plain:
+        front = DiLoCo(model, inner, torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True), 8,
+                       "complete", fragments=list(model), fragment_sync_delay=1, offload=offload)
+        front.__enter__()
+        inner.register_step_post_hook(lambda *_: pairs.append((front.memory_bytes()["device"], allocated())))
+    for _ in range(GPU_STEPS):
+        step()
+    if front is not None:
+        front.__exit__(None, None, None)
+        front.host_state_ready()
+    if cuda:
+        torch.cuda.synchronize()
+    return {"params": [p.detach().double().cpu() for p in model.parameters()], "pairs": pairs,
+            "peak": torch.cuda.max_memory_allocated() - baseline if cuda else 0}
+
+
+@gpu_test
+def test_offload_on_cuda(group_of_one: None) -> None:
+    """With offload the front's device bytes are the allocator's (within 64 KiB of block rounding), peak memory over
+    the plain loop's is at most one fragment's (payload, comm, staged, anchors, momentum: 5 fragments of parameters)
+    plus the outer step's temporaries (2 fragments), the run equals offload=False, and offload=False holds more."""
+    plain, offloaded, on_device = _gpu_run(None, plain=True), _gpu_run(True), _gpu_run(False)
+    fragment = GPU_WIDTH * (GPU_WIDTH + 1) * 4
+    assert _deviation([offloaded["params"]], [on_device["params"]]) <= 1e-6
+    record("offload_on_cuda", plain_peak=plain["peak"], offload_peak=offloaded["peak"],
+           device_peak=on_device["peak"], fragment_bytes=fragment,
+           front_device_max=max(d for d, _ in offloaded["pairs"]))
+    if DEVICE.type != "cuda":
+        return
+    for front_bytes, allocated in offloaded["pairs"] + on_device["pairs"]:
+        assert abs(front_bytes - allocated) <= 64 * 2**10, (front_bytes, allocated)
+    assert offloaded["peak"] <= plain["peak"] + 7 * fragment
+    assert on_device["peak"] > plain["peak"] + 7 * fragment
