@@ -5,7 +5,8 @@ outer step over the topology (``algorithm=diloco``, ``localsgd``: the fronts of 
 The model is ``fully_shard``ed per block (``components.models.shard_units``) over the mesh's shard dimension, the
 config's optimizer steps the DTensor parameters after backward (FSDP2 has averaged the gradients inside the replica
 by then), and the front exchanges each rank's shard with the same shard of the replicas the topology pairs its
-replica with. Checkpoints: the model, the optimizers and DiLoCo's anchors, sharded, by torch.distributed.checkpoint
+replica with. ``parallel.mixed_precision`` is FSDP2's ``MixedPrecisionPolicy`` on every ``fully_shard``: it sets what
+the replica's all-gathers and reduce-scatters carry; the shards, and so the exchange, keep the parameters' dtype. Checkpoints: the model, the optimizers and DiLoCo's anchors, sharded, by torch.distributed.checkpoint
 (DCP) per replica; the rest (the schedule, the front's counters and exchange in flight, the generators) in each rank's
 file as for every algorithm.
 """
