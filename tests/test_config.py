@@ -140,6 +140,7 @@ def test_every_option_composes_and_checks(group: str, option: str, data_dirs: di
          "fragment_sync_delay=5: must be an integer in [0, 5)"),
         ({"algorithm": {"name": "diloco", "fragment_update_alpha": 1.5}}, "fragment_update_alpha=1.5: must be in [0, 1]"),
         ({"algorithm": {"name": "diloco", "outer_lr": 0.0}}, "algorithm.outer_lr=0.0 must be > 0"),
+        ({"algorithm": {"name": "localsgd", "offload": "maybe"}}, "Value 'maybe' is not a valid bool"),
         ({"algorithm": {"name": "diloco", "outer_momentum": 0.0}}, "algorithm.nesterov=true needs"),
         ({"algorithm": {"name": "diloco", "sync_every": 20, "fragments": 10}, "model": {"name": "mlp"}},
          "algorithm.fragments=10: model=mlp has 6 trainable parameter tensors"),
@@ -314,8 +315,8 @@ def test_local_steps_compose_typed_take_compression_and_count_fragments_from_the
         with pytest.raises(ConfigCompositionException) as error:
             compose("train", overrides=["algorithm=localsgd", "algorithm.outer_lr=0.5"])
     assert describe_error(error.value) == (
-        "algorithm.outer_lr is not a key; valid in algorithm: name, sync_every, fragments, fragment_sync_delay "
-        "(outer_lr is an option of algorithm=diloco: choose one, or in a sweep over algorithm= write "
+        "algorithm.outer_lr is not a key; valid in algorithm: name, sync_every, fragments, fragment_sync_delay, "
+        "offload (outer_lr is an option of algorithm=diloco: choose one, or in a sweep over algorithm= write "
         "++algorithm.outer_lr=...)"
     )
     preflight(cfg)

@@ -16,6 +16,7 @@ fragment whose exchange is in flight.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ from torch import nn
 from decent_train import DiLoCo, LocalSGD
 from decent_train.algorithms.offload import resolve_offload
 from tests.distributed import run_workers
+from tests.jobs import make_cfg, records, train_on_cpu
 from tests.replay import batch, loss_fn, make_model
 from tests.test_gpu import DEVICE, gpu_test, group_of_one, record  # noqa: F401 -- group_of_one: a fixture
 from tests.test_local_steps import _replay as local_steps_replay
@@ -328,3 +330,27 @@ def test_offload_on_cuda(group_of_one: None) -> None:
         assert abs(front_bytes - allocated) <= 64 * 2**10, (front_bytes, allocated)
     assert offloaded["peak"] <= plain["peak"] + 7 * fragment
     assert on_device["peak"] > plain["peak"] + 7 * fragment
+
+
+# -- the launcher ---------------------------------------------------------------------------------------------------
+
+def test_the_launcher_records_where_the_outer_state_lives(tmp_path: Path) -> None:
+    """``algorithm.offload=true`` (here on the CPU) and ``false``, Streaming DiLoCo with int8 over a ring of 4: the
+    records are the same but for the memory (train loss, consensus at the parameters and at the anchors, which the
+    offloaded run measures from host memory), and the records' ``memory/outer_*_mib`` is the front's
+    ``memory_bytes()``: all on the device without offload, mostly in host memory with it."""
+    logged = {}
+    for offload in (True, False):
+        cfg = make_cfg(tmp_path / str(offload), steps=8, eval_every=0, launch={"nproc_per_node": 4},
+                       logger={"log_every": 2, "consensus_every": 4, "consensus_samples": 0, "progress_bar": False},
+                       algorithm={"name": "diloco", "sync_every": 4, "fragments": 2, "fragment_sync_delay": 1,
+                                  "offload": offload},
+                       topology={"name": "ring"}, compression={"name": "int8"})
+        run_workers(train_on_cpu, 4, cfg)
+        logged[offload] = records(tmp_path / str(offload))
+    for on, off in zip(logged[True], logged[False]):
+        measured = [k for k in off if not k.startswith(("time/", "throughput/", "memory/"))]
+        assert {k: on[k] for k in measured} == {k: off[k] for k in measured}
+        assert on["memory/outer_host_mib"] > 0 and off["memory/outer_host_mib"] == 0
+        assert on["memory/outer_device_mib"] < off["memory/outer_device_mib"] / 4
+    assert any("consensus/anchor_distance" in r for r in logged[True])

@@ -15,13 +15,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
 from decent_train.algorithms import local_steps
 from decent_train.algorithms.base import Algorithm, register
+from decent_train.algorithms.offload import check_offload
+from decent_train.components.metrics import ConsensusProbe
 from decent_train.components.optim import make_optim_fn
 from decent_train.config import AlgorithmConfig, AlgorithmTraits, TrainConfig
 from decent_train.engine.optimizers import LRSchedulerFn
@@ -37,16 +39,20 @@ class LocalSGDConfig(AlgorithmConfig):
     sync_every: int = 10  # inner steps per outer step (H)
     fragments: int = 1
     fragment_sync_delay: int = 0
+    # The outer state (anchors, outer momentum, compressed public copies) in pinned host memory between outer steps,
+    # on the device only for the fragment in flight. null: on when training on CUDA; false keeps it on the device.
+    offload: Optional[bool] = None
 
     def __post_init__(self) -> None:
         self._check(fragment_update_alpha=0.0)
 
     def _check(self, fragment_update_alpha: float) -> None:
-        """The front's own rule (one place), its message naming the ``algorithm.`` key."""
+        """The front's own rules (one place), their message naming the ``algorithm.`` key."""
         try:
             local_steps.check_local_steps_arguments(
                 self.sync_every, self.fragments, self.fragment_sync_delay, fragment_update_alpha
             )
+            check_offload(self.offload)
         except ValueError as error:
             raise ValueError(f"algorithm={self.name}: {error}") from None
 
@@ -101,6 +107,11 @@ class FrontAlgorithm(Algorithm):
         anchors = self.front.anchors()
         samples = cfg.logger.consensus_samples
         self.anchor_consensus = self.consensus_over(anchors, samples, cfg.seed) if anchors else None
+        device = self.front.device
+        if self.anchor_consensus is not None and anchors[0].device != device:
+            # Offloaded anchors live in host memory, NCCL reduces device tensors: each anchor is measured on the device
+            # (one at a time, at the consensus steps only).
+            self.anchor_consensus._elements = lambda anchor: ConsensusProbe._elements(anchor).to(device)
 
     def _build_front(self, cfg: TrainConfig, kwargs: dict[str, Any]) -> local_steps.DiLoCo:
         raise NotImplementedError
@@ -115,6 +126,7 @@ class FrontAlgorithm(Algorithm):
             "int8_block": compression.int8_block,
             "local_world_size": cfg.topology.local_world_size,
             "timeout": cfg.comm_timeout_s,
+            "offload": getattr(cfg.algorithm, "offload", None),
         }
 
     @property
@@ -182,15 +194,21 @@ class FrontAlgorithm(Algorithm):
             "topology/spectral_gap": topology.spectral_gap(),
             "local_steps/sync_every": self.options.sync_every,
             "local_steps/fragments": self.options.fragments,
+            "local_steps/offload": self.front.offloaded,
         }
 
     def metrics(self) -> dict[str, Any]:
-        """``outer/step``; at the consensus steps (``logger.consensus_every``, as ``consensus/distance``) the
-        workers' distance at the anchors, their parameters at the last outer step (DiLoCo only: LocalSGD keeps
-        none)."""
-        values: dict[str, Any] = {"outer/step": self.front.outer_steps}
+        """``outer/step``; the bytes of the front's outer state on the parameters' device and, offloaded, in host
+        memory (``DiLoCo.memory_bytes``: this rank's, now); at the consensus steps (``logger.consensus_every``, as
+        ``consensus/distance``) the workers' distance at the anchors, their parameters at the last outer step
+        (DiLoCo only: LocalSGD keeps none)."""
+        held = self.front.memory_bytes()
+        values: dict[str, Any] = {"outer/step": self.front.outer_steps,
+                                  "memory/outer_device_mib": held["device"] / 2**20,
+                                  "memory/outer_host_mib": held["host"] / 2**20}
         every, step = self.consensus_every, self.front.inner_steps
         if self.anchor_consensus is not None and every > 0 and step % every == 0:
+            self.front.host_state_ready()  # offloaded: the last outer step's anchors have arrived in host memory
             values["consensus/anchor_distance"], values["consensus/anchor_relative"] = self.anchor_consensus.measure()
         return values
 
