@@ -354,3 +354,29 @@ def test_the_launcher_records_where_the_outer_state_lives(tmp_path: Path) -> Non
         assert on["memory/outer_host_mib"] > 0 and off["memory/outer_host_mib"] == 0
         assert on["memory/outer_device_mib"] < off["memory/outer_device_mib"] / 4
     assert any("consensus/anchor_distance" in r for r in logged[True])
+
+
+# -- FSDP2-sharded replicas -----------------------------------------------------------------------------------------
+
+def _sharded_offloaded(rank: int, world_size: int, shard: int, kind: str) -> dict[str, Any]:
+    """test_sharded_local_steps' sharded worker with ``offload=True`` (its front helper wrapped in this worker
+    process only): the anchors are shards in host memory, the outer momentum DTensors with host shards."""
+    import tests.test_sharded_local_steps as sharded
+
+    front = sharded._front
+    sharded._front = lambda model, inner, kind, **kwargs: front(model, inner, kind, offload=True, **kwargs)
+    return sharded._sharded(rank, world_size, shard, kind)
+
+
+@pytest.mark.parametrize("kind", ["diloco", "streaming"])
+def test_offloaded_sharded_replicas_equal_whole_model_workers(kind: str) -> None:
+    """2 replicas of 2 shards over a ring: with offload every rank's gathered model equals its replica's whole-model
+    worker without offload (1e-10), and so do its anchors' rows."""
+    from tests.test_sharded_local_steps import _whole
+
+    sharded, whole = run_workers(_sharded_offloaded, 4, 2, kind), run_workers(_whole, 2, 2, kind)
+    for rank, result in enumerate(sharded):
+        want = whole[rank // 2]
+        assert max((result["params"][n] - want["params"][n]).abs().max().item() for n in want["params"]) <= TOLERANCE
+        for mine, theirs in zip(result["anchors"], want["anchors"], strict=True):
+            assert (mine - torch.chunk(theirs, 2, dim=0)[rank % 2]).abs().max().item() <= TOLERANCE
