@@ -31,7 +31,7 @@ CPU = torch.device("cpu")
 # A default group bound to the CPU splits only from torch 2.14 on; NCCL's bound groups (the worker's) split in 2.13 too.
 needs_cpu_split = pytest.mark.skipif(
     TorchVersion(torch.__version__) < (2, 14),
-    reason="needs torch >= 2.14: torch 2.13's dist.split_group cannot split gloo (it deep-copies gloo's options, "
+    reason="needs torch >= 2.14: before it, dist.split_group cannot split gloo (it deep-copies gloo's options, "
     "which do not pickle) and its fake backend does not split",
 )
 BOUND = [pytest.param(True, marks=needs_cpu_split, id="bound"), pytest.param(False, id="unbound")]

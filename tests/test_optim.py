@@ -38,10 +38,16 @@ SHAPES = [(5, 3), (4,), (2, 3, 2), (), (7,)]
 
 
 @pytest.fixture
-def ddp_optim() -> Any:
-    """decent-dp's optim module, the baseline oracle (a test-only dependency)."""
+def ddp_optim(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """decent-dp's optim module, the baseline oracle (a test-only dependency). Its steps call
+    ``Optimizer._cuda_graph_capture_health_check``, which torch 2.11 lacks (2.12 on keep it as a deprecated alias of
+    ``_accelerator_graph_capture_health_check``): there the alias is lent for the test."""
     import decent_dp.optim
 
+    optimizer = torch.optim.Optimizer
+    if not hasattr(optimizer, "_cuda_graph_capture_health_check"):
+        monkeypatch.setattr(optimizer, "_cuda_graph_capture_health_check",
+                            optimizer._accelerator_graph_capture_health_check, raising=False)
     return decent_dp.optim
 
 

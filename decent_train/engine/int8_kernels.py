@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from loguru import logger
 from torch import Tensor
+from torch.torch_version import TorchVersion
 
 from decent_train.engine.comm import first_line
 
@@ -31,6 +32,10 @@ __all__ = ["COMPILED_INT8_ENV", "Int8Kernels", "compiled_int8_choice", "compiled
 COMPILED_INT8_ENV = "DECENT_TRAIN_COMPILED_INT8"
 COMPILED_INT8_CHOICES = ("auto", "always", "never")
 MIN_COMPILED_NUMEL = 2**20
+# Before torch 2.13, inductor's C++ backend ignores emulate_precision_casts where a loop reads back a bfloat16 value it
+# just stored (pytorch #185337): the compiled mix would use the unrounded float32 sum of the peer's copy (off by a
+# bfloat16 rounding from eager and the replay). There, a CPU bucket with bfloat16 copies mixes eagerly.
+CPU_COMPILE_ROUNDS_LOW_PRECISION = TorchVersion(torch.__version__) >= (2, 13)
 
 
 def encode_rows_(x: Tensor, own: Tensor, top: int) -> tuple[Tensor, Tensor]:
@@ -90,7 +95,10 @@ class Int8Kernels:
         whole = rows * self.block
         if rows:
             shaped = [t[:whole].view(rows, self.block) for t in (x, out, own, others)]
-            _run(mix_pair_rows_, *shaped, levels[:rows], scales[:rows], pull, keep)
+            if others.dtype != x.dtype and x.device.type == "cpu" and not CPU_COMPILE_ROUNDS_LOW_PRECISION:
+                mix_pair_rows_(*shaped, levels[:rows], scales[:rows], pull, keep)
+            else:
+                _run(mix_pair_rows_, *shaped, levels[:rows], scales[:rows], pull, keep)
         if whole < x.numel():
             tail = [self._padded(t[whole:], t.dtype) for t in (x, out, own, others)]
             mix_pair_rows_(*tail, levels[rows:], scales[rows:], pull, keep)
