@@ -5,10 +5,14 @@ per-bucket optimizers stepping inside backward and the parameters living in flat
 
     python scripts/bench_overhead.py --device cuda --models resnet50,gpt2 --precision bf16 --json overhead.json
 
-(ResNet-50 on 224x224 images, batch 64, channels_last; GPT-2 small, context 1024, batch 8; AdamW; ``--precision fp16``
-adds a GradScaler to both loops). The two loops alternate, ``repeats`` times ``warmup`` + ``steps`` steps each, and the
-table shows the median step time and ``plain / engine`` (above 1: the engine is faster). On CPU the same command with
-small sizes (``--image-size 32 --batch-resnet 4 --gpt-layers 2 ...``) checks that it runs.
+(ResNet-50 on 224x224 images, batch 64, channels_last; GPT-2 small, context 1024, batch 8; AdamW, torch's fused kernel
+on CUDA in both loops; ``--precision fp16`` adds a GradScaler to both loops). The loops alternate, ``repeats`` times
+``warmup`` + ``steps`` steps each, and the table shows the median step time and ``plain / engine`` (above 1: the
+engine is faster). ``--variants`` adds engines built otherwise, to tell where time goes: ``per-parameter-hooks`` (a
+hook per parameter, the engine before issue 37), ``one-bucket``, ``foreach`` (torch's foreach AdamW instead of fused),
+``deferred`` (every bucket steps at the end of backward). ``--compile``
+compiles the model in every loop; ``--profile DIR`` writes torch.profiler's tables of a few steps of each loop. On CPU
+the same command with small sizes (``--image-size 32 --batch-resnet 4 --gpt-layers 2 ...``) checks that it runs.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from decent_train import DecentralizedDataParallel, optim_fn_adamw  # noqa: E402
 from decent_train.components.models import ModelConfig, build_model  # noqa: E402
+from decent_train.engine.readiness import RELEARN_LIMIT  # noqa: E402
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 Step = Callable[[], None]
@@ -55,7 +60,10 @@ def workload(name: str, args: argparse.Namespace, device: torch.device) -> tuple
     def make() -> nn.Module:
         torch.manual_seed(0)
         model = build_model(cfg, shape, classes).to(device)
-        return model.to(memory_format=torch.channels_last) if channels_last else model
+        model = model.to(memory_format=torch.channels_last) if channels_last else model
+        if args.compile:
+            model.compile()
+        return model
 
     x = x.to(device, memory_format=torch.channels_last) if channels_last else x.to(device)
     return make, (x, y.to(device))
@@ -80,9 +88,23 @@ def plain_loop(model: nn.Module, batch: tuple[Tensor, Tensor], args: argparse.Na
     return step
 
 
-def engine_loop(model: nn.Module, batch: tuple[Tensor, Tensor], args: argparse.Namespace, device: torch.device) -> Step:
+ENGINE_VARIANTS = ("engine", "per-parameter-hooks", "one-bucket", "foreach", "deferred")
+
+
+def engine_loop(model: nn.Module, batch: tuple[Tensor, Tensor], args: argparse.Namespace, device: torch.device,
+                variant: str = "engine") -> Step:
     scaler = torch.amp.GradScaler(device.type) if args.precision == "fp16" else None
-    engine = DecentralizedDataParallel(model, partial(optim_fn_adamw, lr=1e-4), topology="ring", scaler=scaler)
+    optim_fn = partial(optim_fn_adamw, lr=1e-4)
+    if variant == "foreach":
+        optim_fn = lambda named: torch.optim.AdamW([p for _, p in named], lr=1e-4, weight_decay=0.1)  # noqa: E731
+    engine = DecentralizedDataParallel(
+        model, optim_fn, topology="ring", scaler=scaler, bucket_size_in_mb=10**6 if variant == "one-bucket" else 25,
+    )
+    if variant == "deferred":
+        engine._context.steps.deferred = True
+    if variant == "per-parameter-hooks":
+        engine._readiness.relearned = RELEARN_LIMIT + 1
+        engine._readiness._install()
 
     def step() -> None:
         loss = loss_of(engine, *batch, PRECISIONS[args.precision], device)
@@ -104,6 +126,25 @@ def seconds_per_step(step: Step, warmup: int, steps: int, device: torch.device) 
     return (time.perf_counter() - start) / steps
 
 
+def profile(loops: dict[str, Step], steps: int, folder: Path, name: str, device: torch.device) -> None:
+    """torch.profiler over ``steps`` steps of each loop: the top operators by self time, CPU and device, per loop."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    folder.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for kind, step in loops.items():
+        with profiler(activities=activities) as prof:
+            for _ in range(steps):
+                step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+        table += "\n" + prof.key_averages().table(sort_by=sort, row_limit=25)
+        (folder / f"{name}_{kind}.txt").write_text(table)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -121,15 +162,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gpt-heads", type=int, default=12)
     p.add_argument("--gpt-width", type=int, default=768)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--variants", default="", help=f"engine variants besides the engine: {', '.join(ENGINE_VARIANTS[1:])}")
+    p.add_argument("--compile", action="store_true", help="compile the model (in place) in every loop")
+    p.add_argument("--profile", type=Path, default=None, help="write torch.profiler tables of 5 steps per loop here")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_overhead.py: --device cuda, but no CUDA device is visible")
 
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in ENGINE_VARIANTS[1:]]
+    if unknown:
+        raise SystemExit(f"bench_overhead.py: --variants: {unknown[0]!r} is not a variant; valid: "
+                         f"{', '.join(ENGINE_VARIANTS[1:])}")
     results = {}
     for name in args.models.split(","):
         make, batch = workload(name, args, device)
-        loops = {"plain": plain_loop(make(), batch, args, device), "engine": engine_loop(make(), batch, args, device)}
+        loops = {"plain": plain_loop(make(), batch, args, device)}
+        for variant in ["engine", *variants]:
+            loops[variant] = engine_loop(make(), batch, args, device, variant)
         times: dict[str, list[float]] = {k: [] for k in loops}
         for _ in range(args.repeats):
             for kind, step in loops.items():
@@ -138,14 +189,22 @@ def main(argv: list[str] | None = None) -> None:
         results[name] = {"plain_ms": 1000 * plain, "engine_ms": 1000 * engine, "plain_over_engine": plain / engine,
                          "plain_ms_all": [1000 * t for t in times["plain"]],
                          "engine_ms_all": [1000 * t for t in times["engine"]]}
+        for variant in variants:
+            ms = 1000 * statistics.median(times[variant])
+            results[name][f"{variant}_ms"] = ms
+            results[name][f"plain_over_{variant}"] = 1000 * plain / ms
+        if args.profile:
+            profile(loops, 5, args.profile, name, device)
         del loops
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"{where}, torch {torch.__version__}, {args.precision}, {args.repeats} x ({args.warmup} + {args.steps}) steps")
-    print("| model | plain loop ms/step | engine ms/step | plain / engine |")
+    print("| model | loop | ms/step | plain / loop |")
     print("|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['plain_ms']:.1f} | {r['engine_ms']:.1f} | {r['plain_over_engine']:.3f}x |")
+        print(f"| {name} | plain | {r['plain_ms']:.2f} | 1 |")
+        for variant in ["engine", *variants]:
+            print(f"| {name} | {variant} | {r[f'{variant}_ms']:.2f} | {r[f'plain_over_{variant}']:.3f}x |")
     if args.json:
         args.json.write_text(json.dumps({"device": where, "torch": torch.__version__, "args": vars(args) | {"json": str(args.json)},
                                          "results": results}, indent=2) + "\n")

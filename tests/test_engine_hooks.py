@@ -10,11 +10,13 @@ bucket as soon as its learned last gradient arrives, without checking the others
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import Tensor, nn
 
-from decent_train import DecentralizedDataParallel
+from decent_train import DecentralizedDataParallel, optim_fn_adam, optim_fn_adamw, optim_fn_sgd
 from decent_train.engine.readiness import RELEARN_LIMIT, GradientReadiness
 from tests.distributed import run_workers
 from tests.replay import SGD, snapshot
@@ -123,3 +125,30 @@ def test_hooks_and_optimizer_steps_per_step_are_bounded_by_buckets() -> None:
     hooks, steps, buckets, params = run_workers(hooks_and_steps, 2, True)[0]
     assert hooks == params > buckets  # the per-parameter path breaks the bound: the check above can fail
 
+
+
+def profiler_ranges(rank: int, world_size: int) -> set[str]:
+    engine = DecentralizedDataParallel(deep_mlp(), SGD, topology="ring")
+    x = torch.randn(4, 16, dtype=torch.float64)
+    engine(x).square().mean().backward()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        engine(x).square().mean().backward()
+    return {event.name for event in prof.events() if event.name.startswith("decent_train.")}
+
+
+def test_profiler_sees_the_engines_ranges() -> None:
+    """The ranges are made only while a profiler records (they cost host time per bucket), and then they are there."""
+    assert run_workers(profiler_ranges, 2)[0] >= {"decent_train.mix", "decent_train.launch", "decent_train.wait"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh runs these on one)")
+@pytest.mark.parametrize("factory", [optim_fn_adam, optim_fn_adamw, optim_fn_sgd])
+def test_bucket_optimizers_are_fused_on_cuda(factory: Callable) -> None:
+    """One kernel per param group instead of a foreach chain: what the engine's buckets and a plain loop both get."""
+    model = nn.Linear(8, 8).cuda()
+    optimizer = factory(list(model.named_parameters()))
+    model(torch.randn(2, 8, device="cuda")).sum().backward()
+    optimizer.step()
+    assert optimizer.defaults["fused"] is True
+    assert factory(list(nn.Linear(8, 8).named_parameters())).defaults["fused"] is None  # CPU: torch's default

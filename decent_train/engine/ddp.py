@@ -221,6 +221,9 @@ class DecentralizedDataParallel(nn.Module):
             self._progress, param_as_bucket_view, fault_tolerant=fault_tolerant,
         )
         self._readiness = GradientReadiness(self._buckets, self._on_grad_ready)
+        if self._members.rank == 0 and any(getattr(m, "_compiled_call_impl", None) for m in model.modules()):
+            logger.info("DecentralizedDataParallel: the model is compiled, so its backward is one autograd node and "
+                        "every bucket steps when it ends: the exchange overlaps the next forward, not backward")
         self._mode = self._make_mode(topology, start=0)
         self._start_compression(identical=True)
         if self._members.rank == 0:
