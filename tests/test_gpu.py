@@ -11,29 +11,25 @@ writes OUT_DIR/summary.md; ``python -m pytest -m gpu -s tests/test_gpu.py`` runs
 - channels_last and torch.compile on ResNet-18 and GPT-2 (shrunk, and once at GPT-2 small's 12 x 768): one worker's
   engine ends where a plain loop with the same optimizer ends, its parameters still views of the flat buckets in
   their memory format;
-- NCCL with 2 processes against the replay (needs 2 GPUs).
+- NCCL with 2 processes against the replay (needs 2 GPUs);
+- several processes on one GPU (issue 37 part 5): whether NCCL accepts two ranks on one GPU given distinct
+  ``NCCL_HOSTID``s (recorded either way), then the engine's replay with 2 and 4 processes on that GPU (NCCL if it
+  accepted, else gloo with CUDA tensors where gloo has the collective). tests/test_gpu_fronts.py runs the fronts
+  the same way.
 
 Each test prints its measurements as ``GPU_CHECK {json}`` lines (seen with ``-s``) and appends them to
 ``$GPU_CHECK_OUT/measurements.jsonl`` when that is set. ``GPU_CHECK_DEVICE=cpu`` runs the same bodies on the CPU
 (slowly; no peak memory, gloo instead of NCCL): a check of this file's own code on a machine without a GPU.
-
-The one test here that is not marked ``gpu`` runs ``scripts/gpu_check.sh`` in its skip mode.
+``scripts/gpu_check.sh`` itself, in its skip mode and its pass/fail decisions: tests/test_gpu_check.py.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import multiprocessing
-import os
-import subprocess
-import tempfile
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,29 +40,8 @@ from torch import Tensor, nn
 
 from decent_train import DecentralizedDataParallel, optim_fn_adamw, optim_fn_sgd
 from decent_train.components.models import ModelConfig, build_model
+from tests.on_gpu import DEVICE, gpu_count, gpu_test, one_gpu_backend_or_skip, record, run_spawned, shared_gpu
 from tests.replay import SGD, batch, make_model, max_deviation, replay, snapshot, topology_for, train_engine
-
-ROOT = Path(__file__).resolve().parents[1]
-DEVICE = torch.device(os.environ.get("GPU_CHECK_DEVICE", "cuda"))
-SKIP_REASON = "needs a CUDA GPU (scripts/gpu_check.sh runs these on one)"
-_skip_without_gpu = pytest.mark.skipif(DEVICE.type == "cuda" and not torch.cuda.is_available(), reason=SKIP_REASON)
-
-
-def gpu_test(fn: Callable) -> Callable:
-    """Marks a test ``gpu`` and skips it, with the reason, where CUDA is missing. (A module-level ``pytestmark`` would
-    also mark the one CPU test of this file.)"""
-    return pytest.mark.gpu(_skip_without_gpu(fn))
-
-
-def record(test: str, **values: Any) -> None:
-    """One measurement: printed, and appended to ``$GPU_CHECK_OUT/measurements.jsonl`` for the summary."""
-    line = json.dumps({"test": test, "device": DEVICE.type, **values}, default=str)
-    print(f"\nGPU_CHECK {line}", flush=True)
-    out = os.environ.get("GPU_CHECK_OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        with open(Path(out) / "measurements.jsonl", "a") as f:
-            f.write(line + "\n")
 
 
 def synchronize() -> None:
@@ -433,103 +408,77 @@ def test_engine_equals_plain_loop(name: str, exact_numerics: None) -> None:
         torch._dynamo.reset()
 
 
-# -- (e) NCCL with 2 processes -------------------------------------------------------------------------------------
-def _two_rank_worker(rank: int, world_size: int) -> list[dict[str, Any]]:
-    """Two runs through the engine on a ring of 2: float64 SGD, and float32 AdamW in 200-byte messages."""
+# -- (e) NCCL with 2 processes; several processes on one GPU (tests/on_gpu.py: the experiment) ---------------
+def _engine_worker(rank: int, world_size: int, topology: str = "ring",
+                   exchange_timeout: float | None = None) -> list[dict[str, Any]]:
+    """Two runs through the engine: float64 SGD, and float32 AdamW in 200-byte messages; ``exchange_timeout`` (the
+    engine's ``timeout``, the launcher's comm_timeout_s) gives its exchanges a process group of their own on CUDA."""
+    engine_kwargs = {} if exchange_timeout is None else {"timeout": exchange_timeout}
     results = []
     for dtype, optim_fn, kwargs in [(torch.float64, SGD, {}),
                                     (torch.float32, ADAMW, dict(bucket_size_in_mb=25, message_size_in_mb=0.0002))]:
-        r = train_engine(rank, world_size, topology="ring", steps=STEPS, optim_fn=optim_fn,
+        r = train_engine(rank, world_size, topology=topology, steps=STEPS, optim_fn=optim_fn,
                          model_fn=lambda seed, dtype=dtype: make_model(seed).to(DEVICE, dtype), loss=loss_on_device,
-                         **kwargs)
+                         **kwargs, **engine_kwargs)
         r["params"] = {k: v.cpu().double() for k, v in r["params"].items()}
         results.append(r)
     return results
 
 
-def _spawned(fn_name: str, rank: int, world_size: int, workdir: str) -> None:
-    code = 1
-    try:
-        torch.set_num_threads(1)
-        if DEVICE.type == "cuda":
-            torch.cuda.set_device(rank)
-        store = dist.FileStore(os.path.join(workdir, "store"), world_size)
-        backend = "nccl" if DEVICE.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
-        result = globals()[fn_name](rank, world_size)
-        torch.save(result, os.path.join(workdir, f"result{rank}.pt"))
-        dist.barrier()
-        dist.destroy_process_group()
-        code = 0
-    except BaseException:
-        with open(os.path.join(workdir, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-    finally:
-        os._exit(code)
+def _expected_engine_runs(world_size: int, topology: str) -> dict[str, list[dict[str, Tensor]]]:
+    built = topology_for(topology, world_size)
+    return {"fp64-sgd": replay(built, STEPS, optim_fn=SGD, loss=loss_on_device),
+            "fp32-adamw-messages": replay(built, STEPS, optim_fn=ADAMW, loss=loss_on_device)}
 
 
-def run_spawned(fn_name: str, world_size: int, timeout: float = 180.0) -> list[Any]:
-    """tests/distributed.py's runner with spawn, not fork: a forked child cannot use CUDA once the parent has."""
-    ctx = multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory() as workdir:
-        procs = [ctx.Process(target=_spawned, args=(fn_name, r, world_size, workdir)) for r in range(world_size)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                time.sleep(1.0)
-                break
-            time.sleep(0.05)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join()
-        errors = [f"--- rank {r} ---\n{open(path).read()}" for r in range(world_size)
-                  if os.path.exists(path := os.path.join(workdir, f"error{r}.txt"))]
-        if errors:
-            raise AssertionError("\n".join(errors))
-        if any(p.exitcode != 0 for p in procs):
-            raise AssertionError(f"workers timed out after {timeout}s or died: {[p.exitcode for p in procs]}")
-        return [torch.load(os.path.join(workdir, f"result{r}.pt"), weights_only=False) for r in range(world_size)]
-
-
-def _gpus() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-@pytest.mark.slow
-@gpu_test
-@pytest.mark.skipif(DEVICE.type == "cuda" and _gpus() < 2,
-                    reason=f"NCCL with 2 processes needs 2 GPUs; {_gpus()} visible")
-def test_nccl_two_processes_match_replay() -> None:
-    t0 = time.perf_counter()
-    ranks = run_spawned("_two_rank_worker", 2)
-    seconds = time.perf_counter() - t0
-    expected = {"fp64-sgd": replay(topology_for("ring", 2), STEPS, optim_fn=SGD, loss=loss_on_device),
-                "fp32-adamw-messages": replay(topology_for("ring", 2), STEPS, optim_fn=ADAMW, loss=loss_on_device)}
+def _check_engine_runs(ranks: list[list[dict[str, Any]]], world_size: int, topology: str, test: str,
+                       **values: Any) -> None:
+    expected = _expected_engine_runs(world_size, topology)
     deviations = {name: max_deviation([r[i] for r in ranks], want) for i, (name, want) in enumerate(expected.items())}
-    record("nccl/2-processes/ring", backend="nccl" if DEVICE.type == "cuda" else "gloo", steps=STEPS,
-           max_deviation=deviations, seconds=round(seconds, 1))
+    record(test, steps=STEPS, max_deviation=deviations, **values)
     assert all(r[0]["step"] == STEPS for r in ranks)
     assert deviations["fp64-sgd"] <= 1e-10
     assert deviations["fp32-adamw-messages"] <= REPLAY_TOL[torch.float32]
 
 
-# -- the script itself, in skip mode (CPU) ---------------------------------------------------------------------------
-PLANNED_STEPS = ["[env]", "[tests]", "[overhead-bf16]", "[overhead-fp16]", "[summary]"]
+@pytest.mark.slow
+@gpu_test
+@pytest.mark.skipif(DEVICE.type == "cuda" and gpu_count() < 2,
+                    reason=f"NCCL with 2 processes needs 2 GPUs; {gpu_count()} visible")
+def test_nccl_two_processes_match_replay() -> None:
+    t0 = time.perf_counter()
+    ranks = run_spawned(_engine_worker, 2)
+    _check_engine_runs(ranks, 2, "ring", "nccl/2-processes/ring", backend="nccl" if DEVICE.type == "cuda" else "gloo",
+                       seconds=round(time.perf_counter() - t0, 1))
 
 
 @pytest.mark.slow
-def test_gpu_check_script_skip_mode_says_what_it_would_run(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_CHECK_")} | {"CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path / "out")], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "no CUDA GPU: skip mode" in proc.stdout
-    for step in PLANNED_STEPS:
-        assert step in proc.stdout, f"the plan does not name {step}"
-    assert "bench_overhead.py" in proc.stdout and "-m gpu" in proc.stdout
-    assert SKIP_REASON in proc.stdout, "pytest should show the GPU tests skipping with their reason"
-    summary = (tmp_path / "out" / "summary.md").read_text()
-    assert "skip mode" in summary and all(step in summary for step in PLANNED_STEPS)
+@gpu_test
+def test_ranks_share_one_gpu_with_nccl_hostid() -> None:
+    """Part 5's experiment, recorded either way (the summary says which happened). Fails if NCCL accepts the shared
+    GPU but computes wrong values; an NCCL refusal is an expected outcome (xfail), after which the one-GPU tests run
+    on gloo with CUDA tensors."""
+    outcome = shared_gpu()
+    record("one-gpu/nccl-hostid", **outcome)
+    if DEVICE.type != "cuda":
+        assert outcome["probe_right"], outcome["probe"]
+        return
+    assert "wrong values" not in outcome["with_hostid"], outcome["with_hostid"]
+    if outcome["with_hostid"] != "accepted":
+        pytest.xfail(f"NCCL {outcome['with_hostid']}; the one-GPU tests use gloo with CUDA tensors")
+
+
+ONE_GPU_ENGINE = [(2, "ring"), (4, "ring"), (4, "complete")]  # pairs; pairs in two rounds; a group of 4 (split_group)
+
+
+@pytest.mark.slow
+@gpu_test
+@pytest.mark.parametrize("world_size, topology", ONE_GPU_ENGINE, ids=[f"{t}{n}" for n, t in ONE_GPU_ENGINE])
+def test_processes_on_one_gpu_match_replay(world_size: int, topology: str) -> None:
+    """The engine's replay tests with 2 and 4 processes on one GPU (NCCL through distinct NCCL_HOSTIDs, or gloo with
+    CUDA tensors on a group of 4 only), the exchange group carrying a time limit as under the launcher."""
+    backend = one_gpu_backend_or_skip(needs_pairs=topology != "complete" or world_size == 2)
+    t0 = time.perf_counter()
+    ranks = run_spawned(_engine_worker, world_size, topology, 120.0, timeout=150, backend=backend, one_gpu=True)
+    _check_engine_runs(ranks, world_size, topology, f"one-gpu/engine/{topology}{world_size}", backend=backend,
+                       seconds=round(time.perf_counter() - t0, 1))
