@@ -69,7 +69,8 @@ class HostStore:
         now (no host sync), else call :meth:`ready` before using them."""
         working = [torch.empty(h.shape, dtype=h.dtype, device=self.device) for h in homes]
         if self.stream is None:
-            torch._foreach_copy_(working, homes) if working else None
+            for w, h in zip(working, homes):
+                w.copy_(h)
             return working, None
         compute = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)  # the fresh blocks may be memory that queued compute work still uses
@@ -91,7 +92,8 @@ class HostStore:
         """``homes`` <- ``working`` once the compute stream's queued work wrote them; the device tensors are not
         reused before the copy finished (``record_stream``), so the caller may drop them at once."""
         if self.stream is None:
-            torch._foreach_copy_(homes, working) if homes else None
+            for h, w in zip(homes, working):
+                h.copy_(w)
             return
         compute = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)
