@@ -28,7 +28,8 @@ from decent_train.algorithms.offload import resolve_offload
 from tests.distributed import run_workers
 from tests.jobs import make_cfg, records, train_on_cpu
 from tests.replay import batch, loss_fn, make_model
-from tests.test_gpu import DEVICE, gpu_test, group_of_one, record  # noqa: F401 -- group_of_one: a fixture
+from tests.on_gpu import DEVICE, gpu_test, record
+from tests.test_gpu import group_of_one  # noqa: F401 -- a fixture
 from tests.test_local_steps import _replay as local_steps_replay
 from tests.test_streaming import STREAMED, _modules, _resumed
 from tests.test_streaming import _replay as streaming_replay
