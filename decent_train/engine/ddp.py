@@ -35,6 +35,7 @@ sent; int8_kernels.py its compiled loops), membership.py (who is in the run and 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -61,6 +62,7 @@ from decent_train.engine.optimizers import LRSchedulerFn, OptimFn
 from decent_train.engine.readiness import GradientReadiness
 from decent_train.engine.steps import BucketSteps
 from decent_train.engine.topology import Topology
+from decent_train.engine.update_thread import UpdateThread
 
 __all__ = ["ALLREDUCE", "DecentralizedDataParallel", "ExchangeError"]
 
@@ -138,6 +140,8 @@ class DecentralizedDataParallel(nn.Module):
         public_copy_dtype: with compression, the dtype of a pair's public copies (None: the parameters'):
             ``torch.bfloat16`` halves their memory (two per distinct peer of the topology's period); the
             mean stays exact, but the workers then agree only to bfloat16's precision (engine/exchange.py).
+        update_thread: buckets update (mix, step, launch) on a thread and CUDA stream of their own, off autograd's
+            thread (engine/update_thread.py); None: where the parameters are on CUDA (not with ``fault_tolerant``).
     """
 
     FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -163,6 +167,7 @@ class DecentralizedDataParallel(nn.Module):
         public_copy_dtype: torch.dtype | None = None,
         fault_tolerant: bool = False,
         from_rank0: bool = True,
+        update_thread: bool | None = None,
     ):
         super().__init__()
         check_engine_arguments(
@@ -220,10 +225,10 @@ class DecentralizedDataParallel(nn.Module):
             self._members, exchanger, CommWaits(self._members.timeout), BucketSteps(scaler, grad_clip_norm),
             self._progress, param_as_bucket_view, fault_tolerant=fault_tolerant,
         )
-        self._readiness = GradientReadiness(self._buckets, self._on_grad_ready)
-        if self._members.rank == 0 and any(getattr(m, "_compiled_call_impl", None) for m in model.modules()):
-            logger.info("DecentralizedDataParallel: the model is compiled, so its backward is one autograd node and "
-                        "every bucket steps when it ends: the exchange overlaps the next forward, not backward")
+        self._readiness = GradientReadiness(self._buckets, self._on_grad_ready, model, self._members.rank == 0)
+        device = next((b.flat.device for b in self._buckets), torch.device("cpu"))
+        threaded = device.type == "cuda" and not fault_tolerant if update_thread is None else update_thread
+        self._updates = UpdateThread(device, owner=self) if threaded else None
         self._mode = self._make_mode(topology, start=0)
         self._start_compression(identical=True)
         if self._members.rank == 0:
@@ -329,20 +334,26 @@ class DecentralizedDataParallel(nn.Module):
             self._on_bucket_ready(self._buckets[self._next_bucket])
             self._next_bucket += 1
 
-    def _on_bucket_ready(self, bucket: Bucket) -> None:
-        """A bucket's gradients are all there (buckets come strictly in index order, the same on every rank)."""
+    def _on_bucket_ready(self, bucket: Bucket, ended: bool = False) -> None:
+        """A bucket's gradients are all there (buckets come strictly in index order, the same on every rank); once
+        backward has ``ended`` (the update thread drained) it updates here."""
         self._mode.gradients_ready(bucket)
         if self._mode.updates_in_backward and not self._context.steps.deferred:
-            self._mode.update(bucket)
+            if self._updates is None or ended:
+                self._mode.update(bucket)
+            else:
+                self._updates.submit(functools.partial(self._mode.update, bucket), [p.grad for p in bucket.params])
 
     @torch.no_grad()
     def _finish_backward(self) -> None:
         """End of backward: the buckets left (unused parameters); the updates that wait for the end of backward (each
         as soon as its gradients are gathered, or all after the deferred steps' agreement); then the next step."""
         mode, steps = self._mode, self._context.steps
+        if self._updates is not None:
+            self._updates.drain()
         self._readiness.end_of_backward()
         for bucket in self._buckets[self._next_bucket :]:
-            self._on_bucket_ready(bucket)
+            self._on_bucket_ready(bucket, ended=True)
         for bucket in self._buckets:  # in launch order: each updates while the later buckets' sums are in flight
             mode.gather(bucket)
             if not mode.updates_in_backward and not steps.deferred:
@@ -425,11 +436,8 @@ class DecentralizedDataParallel(nn.Module):
         return self._context.missed
 
     def _average_optimizer_states(self) -> None:
-        """Average every optimizer's floating-point state on the parameters' device (momentum, Adam's moments).
-
-        Step counters are equal everywhere and stay out; torch's Adam keeps ``step`` as a CPU tensor, which a
-        CUDA-only (NCCL) group cannot reduce.
-        """
+        """Average every optimizer's floating-point state on the parameters' device (momentum, Adam's moments). Step
+        counters are equal everywhere and stay out (torch's Adam keeps them on the CPU, which NCCL cannot reduce)."""
         self._members.average_tensors_(
             [
                 value

@@ -27,10 +27,15 @@ RELEARN_LIMIT = 3
 
 class GradientReadiness:
     """The gradient hooks of the engine's buckets. ``on_gradient(bucket, param)`` is called from each hook (``param``
-    is the parameter whose gradient arrived); it asks :meth:`arrived` whether the bucket is complete now."""
+    is the parameter whose gradient arrived); it asks :meth:`arrived` whether the bucket is complete now. A compiled
+    ``model`` is ``announce``d: its gradients all arrive when its one backward node ends."""
 
-    def __init__(self, buckets: list[Bucket], on_gradient: Callable[[Bucket, nn.Parameter], None]):
+    def __init__(self, buckets: list[Bucket], on_gradient: Callable[[Bucket, nn.Parameter], None], model: nn.Module,
+                 announce: bool = True):
         self.buckets, self.on_gradient = buckets, on_gradient
+        if announce and any(getattr(m, "_compiled_call_impl", None) for m in model.modules()):
+            logger.info("DecentralizedDataParallel: the model is compiled, so its backward is one autograd node and "
+                        "every bucket steps when it ends: the exchange overlaps the next forward, not backward")
         self.per_parameter = True  # hooks on every parameter (learning the order) or on one per bucket
         self.relearned = 0
         self.hooks_fired = 0  # hooks called in backward passes so far (the invariant the tests pin)
