@@ -55,6 +55,11 @@ MODEL_FILE = "model.pt"
 DIVERGED_FILE = "diverged.txt"  # why training stopped on a NaN/inf loss: restarted workers do not train again
 
 
+def _default(schema: type, key: str) -> Any:
+    """The schema's default of ``key`` (a refusal of a key that does nothing accepts its default only)."""
+    return schema.__dataclass_fields__[key].default
+
+
 def engine_check(key: str, value: Any, check: Callable[[], object]) -> None:
     """Run one of the engine's own argument checks on the config's ``key``: the same rule in both places, with an
     error that names the config key."""
@@ -308,6 +313,7 @@ class TrainConfig:
             )
         if traits.local_steps:
             self._check_local_steps()
+        self._check_engine_keys(traits)
         self._check_model_fits_data()
         self._check_phases()
         if self.fault_tolerance.live:
@@ -348,6 +354,21 @@ class TrainConfig:
                 f"algorithm={name}'s outer exchange keeps none: leave compression.copy_dtype=param"
             )
 
+    def _check_engine_keys(self, traits: AlgorithmTraits) -> None:
+        """``bucket_size_mb`` and ``message_size_mb`` lay out the engine's buckets and gossip messages (and DDP's
+        buckets): the fronts (local steps, sharded replicas) have neither, so a value set there is refused rather
+        than ignored."""
+        front = ("parallel.shard", self.parallel.shard) if self.parallel.shard > 1 else (
+            ("algorithm", self.algorithm.name) if traits.local_steps else None)
+        if front is None:
+            return
+        for key in ("bucket_size_mb", "message_size_mb"):
+            if getattr(self, key) != _default(TrainConfig, key):
+                raise ValueError(
+                    f"{key}={getattr(self, key)} with {front[0]}={front[1]}: {key} sizes the engine's buckets and "
+                    f"messages, which {front[0]}={front[1]} does not run; leave {key}={_default(TrainConfig, key)}"
+                )
+
     def _check_live(self) -> None:
         """What ``fault_tolerance=live`` runs with in this version (each refusal names the reason)."""
         ft, launch = self.fault_tolerance, self.launch
@@ -362,6 +383,12 @@ class TrainConfig:
              "groups (CPU workers); use launch.device=cpu"),
             (launch.max_nodes > 1, f"launch.nnodes={launch.nnodes}: live fault tolerance runs the workers of one "
              "node under one supervisor; use launch.nnodes=1"),
+            (self.precision == "fp16", "precision=fp16: the workers' overflow agreement is a collective of every "
+             "worker, which a dead member fails on all the others; use precision=bf16 or fp32"),
+            (launch.monitor_interval != _default(LaunchConfig, "monitor_interval"),
+             f"launch.monitor_interval={launch.monitor_interval}: the elastic agent's, which a live run does not "
+             "start (its supervisor watches heartbeats; fault_tolerance.detect_s sets how soon a silent worker is "
+             f"dead); leave launch.monitor_interval={_default(LaunchConfig, 'monitor_interval')}"),
         ]
         for refused, why in refusals:
             if refused:

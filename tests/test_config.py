@@ -159,6 +159,16 @@ def test_every_option_composes_and_checks(group: str, option: str, data_dirs: di
         ({"fault_tolerance": {"name": "live"}, "phases": [{"algorithm": "allreduce", "steps": 5}, {}]},
          "fault_tolerance=live with phases"),
         ({"fault_tolerance": {"name": "live"}, "launch": {"device": "cuda"}}, "launch.device=cuda: live membership"),
+        # issue 38 (D1): fp16's overflow agreement is a collective of every worker, which a dead member fails
+        ({"fault_tolerance": {"name": "live"}, "precision": "fp16"}, "fault_tolerance=live with precision=fp16"),
+        # issue 38 (D2): keys the run would ignore are refused, naming both keys
+        ({"fault_tolerance": {"name": "live"}, "launch": {"monitor_interval": 0.5}},
+         "fault_tolerance=live with launch.monitor_interval=0.5"),
+        ({"algorithm": "diloco", "message_size_mb": 1.0}, "message_size_mb=1.0 with algorithm=diloco"),
+        ({"algorithm": "localsgd", "bucket_size_mb": 5.0}, "bucket_size_mb=5.0 with algorithm=localsgd"),
+        ({"parallel": {"shard": 2}, "message_size_mb": 1.0}, "message_size_mb=1.0 with parallel.shard=2"),
+        ({"parallel": {"shard": 2}, "algorithm": "diloco", "bucket_size_mb": 100.0},
+         "bucket_size_mb=100.0 with parallel.shard=2"),
         ({"fault_tolerance": {"name": "live"}, "topology": {"name": "hierarchical", "local_world_size": 2}},
          "its rounds have two stages"),
         # parallel.shard: what sharded gossip runs with
