@@ -211,20 +211,27 @@ def parse_junit(path: Path) -> dict[str, Any]:
     return result
 
 
-VERBOSE_LINE = re.compile(r"^(tests/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)")
+TEST_ID = re.compile(r"^(tests/\S+::\S+)(.*)$")
+OUTCOME = re.compile(r"^\s*(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+OUTCOMES = {"PASSED": "passed", "XPASS": "passed", "FAILED": "failed", "ERROR": "failed", "SKIPPED": "skipped",
+            "XFAIL": "skipped"}
 
 
 def parse_verbose(output: str) -> dict[str, Any]:
-    """The outcomes ``pytest -v`` printed, for a run stopped before it wrote its junit XML."""
+    """The outcomes ``pytest -v -s`` printed, for a run stopped before it wrote its junit XML: a test's id starts a
+    line, its outcome follows on that line or, after what the test printed, at the start of a later one."""
     result: dict[str, Any] = {"passed": 0, "failed": 0, "skipped": 0, "tests": []}
-    kinds = {"PASSED": "passed", "XPASS": "passed", "FAILED": "failed", "ERROR": "failed", "SKIPPED": "skipped",
-             "XFAIL": "skipped"}
+    current = None
     for line in output.splitlines():
-        match = VERBOSE_LINE.match(line.strip())
-        if match:
-            outcome = kinds[match.group(2)]
+        named = TEST_ID.match(line)
+        if named:
+            current, line = named.group(1), named.group(2)
+        found = OUTCOME.match(line)
+        if current and found:
+            outcome = OUTCOMES[found.group(1)]
             result[outcome] += 1
-            result["tests"].append({"name": match.group(1), "outcome": outcome, "seconds": 0.0, "note": ""})
+            result["tests"].append({"name": current, "outcome": outcome, "seconds": 0.0, "note": ""})
+            current = None
     return result
 
 

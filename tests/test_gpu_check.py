@@ -122,9 +122,12 @@ def test_the_default_job_must_reach_its_accuracy_with_finite_losses(tmp_path: Pa
 def test_a_step_that_did_not_finish_fails_and_pytest_v_lines_stand_in_for_junit(tmp_path: Path) -> None:
     """The tests' step killed at its limit writes no junit XML: the outcomes come from ``pytest -v``'s lines."""
     output = ("tests/test_gpu.py::test_bf16_engine_trains_like_plain_loop PASSED [ 10%]\n"
-              "GPU_CHECK {...}\ntests/test_gpu_fronts.py::test_peak_memory_of_the_fronts_vs_plain_loop FAILED [ 20%]\n")
+              "tests/test_gpu_fronts.py::test_peak_memory_of_the_fronts_vs_plain_loop \n"  # -s: what it prints between
+              "GPU_CHECK {\"test\": \"memory/front/diloco\"}\nFAILED [ 20%]\n"
+              "tests/test_gpu.py::test_processes_on_one_gpu_match_replay[ring2] SKIPPED (NCCL refused) [ 30%]\n"
+              "tests/test_gpu.py::test_ranks_share_one_gpu_with_nccl_hostid \n")  # killed while it ran: no outcome
     tests = gpu_check.parse_verbose(output)
-    assert (tests["passed"], tests["failed"]) == (1, 1)
+    assert (tests["passed"], tests["failed"], tests["skipped"]) == (1, 1, 1)
     steps = gpu_check.plan(tmp_path, tmp_path)
     for step in steps:
         step.status = "ok"
