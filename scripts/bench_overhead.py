@@ -8,8 +8,8 @@ per-bucket optimizers stepping inside backward and the parameters living in flat
 (ResNet-50 on 224x224 images, batch 64, channels_last; GPT-2 small, context 1024, batch 8; AdamW, torch's fused kernel
 on CUDA in both loops; ``--precision fp16`` adds a GradScaler to both loops). The loops alternate, ``repeats`` times
 ``warmup`` + ``steps`` steps each, and the table shows the median step time and ``plain / engine`` (above 1: the
-engine is faster). ``--variants`` adds engines built otherwise, to tell where time goes: ``per-parameter-hooks`` (a
-hook per parameter, the engine before issue 37), ``one-bucket``, ``foreach`` (torch's foreach AdamW instead of fused),
+engine is faster). ``--variants`` adds engines built otherwise, to tell where time goes: ``inline`` (buckets update on
+autograd's thread, not on a thread and stream of their own), ``per-parameter-hooks`` (a hook per parameter), ``one-bucket``, ``foreach`` (torch's foreach AdamW instead of fused),
 ``deferred`` (every bucket steps at the end of backward). ``--compile``
 compiles the model in every loop; ``--profile DIR`` writes torch.profiler's tables of a few steps of each loop. On CPU
 the same command with small sizes (``--image-size 32 --batch-resnet 4 --gpt-layers 2 ...``) checks that it runs.
@@ -88,7 +88,7 @@ def plain_loop(model: nn.Module, batch: tuple[Tensor, Tensor], args: argparse.Na
     return step
 
 
-ENGINE_VARIANTS = ("engine", "per-parameter-hooks", "one-bucket", "foreach", "deferred")
+ENGINE_VARIANTS = ("engine", "inline", "per-parameter-hooks", "one-bucket", "foreach", "deferred")
 
 
 def engine_loop(model: nn.Module, batch: tuple[Tensor, Tensor], args: argparse.Namespace, device: torch.device,
@@ -99,6 +99,7 @@ def engine_loop(model: nn.Module, batch: tuple[Tensor, Tensor], args: argparse.N
         optim_fn = lambda named: torch.optim.AdamW([p for _, p in named], lr=1e-4, weight_decay=0.1)  # noqa: E731
     engine = DecentralizedDataParallel(
         model, optim_fn, topology="ring", scaler=scaler, bucket_size_in_mb=10**6 if variant == "one-bucket" else 25,
+        update_thread=False if variant == "inline" else None,
     )
     if variant == "deferred":
         engine._context.steps.deferred = True
@@ -110,7 +111,19 @@ def engine_loop(model: nn.Module, batch: tuple[Tensor, Tensor], args: argparse.N
         loss = loss_of(engine, *batch, PRECISIONS[args.precision], device)
         (scaler.scale(loss) if scaler is not None else loss).backward()  # the buckets step inside backward
 
+    step.engine = engine  # type: ignore[attr-defined]
     return step
+
+
+def host_calls(step: Step) -> dict[str, float]:
+    """Gradient hooks fired and optimizer steps taken in one step of an engine loop (after its warmup)."""
+    engine, steps = step.engine, [0]  # type: ignore[attr-defined]
+    handles = [o.register_step_post_hook(lambda *a: steps.__setitem__(0, steps[0] + 1)) for o in engine.optimizers]
+    hooks = engine._readiness.hooks_fired
+    step()
+    for handle in handles:
+        handle.remove()
+    return {"hooks": engine._readiness.hooks_fired - hooks, "optimizer_steps": steps[0], "buckets": len(handles)}
 
 
 def seconds_per_step(step: Step, warmup: int, steps: int, device: torch.device) -> float:
@@ -189,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
         results[name] = {"plain_ms": 1000 * plain, "engine_ms": 1000 * engine, "plain_over_engine": plain / engine,
                          "plain_ms_all": [1000 * t for t in times["plain"]],
                          "engine_ms_all": [1000 * t for t in times["engine"]]}
+        for variant in ["engine", *variants]:
+            results[name][f"{variant}_per_step"] = host_calls(loops[variant])
         for variant in variants:
             ms = 1000 * statistics.median(times[variant])
             results[name][f"{variant}_ms"] = ms
@@ -204,7 +219,9 @@ def main(argv: list[str] | None = None) -> None:
     for name, r in results.items():
         print(f"| {name} | plain | {r['plain_ms']:.2f} | 1 |")
         for variant in ["engine", *variants]:
-            print(f"| {name} | {variant} | {r[f'{variant}_ms']:.2f} | {r[f'plain_over_{variant}']:.3f}x |")
+            calls = r[f"{variant}_per_step"]
+            print(f"| {name} | {variant} ({calls['buckets']} buckets: {calls['hooks']} hooks, {calls['optimizer_steps']} "
+                  f"optimizer steps per step) | {r[f'{variant}_ms']:.2f} | {r[f'plain_over_{variant}']:.3f}x |")
     if args.json:
         args.json.write_text(json.dumps({"device": where, "torch": torch.__version__, "args": vars(args) | {"json": str(args.json)},
                                          "results": results}, indent=2) + "\n")
