@@ -41,12 +41,19 @@ class BucketSteps:
             found = [t for b in with_grads for t in self.scaler._found_inf_per_device(b.optimizer).values()]
             if found:
                 overflow = torch.stack([t.float() for t in found]).amax().reshape(1)
-                if members.world_size > 1:
-                    with peers_must_answer(f"the overflow check at step {step}", members.timeout):
-                        run_collective(dist.all_reduce, overflow, op=dist.ReduceOp.MAX)
-                for t in found:
-                    t.copy_(overflow.reshape(()))  # what GradScaler.update() reads
-                self.overflow = bool(overflow.item())
+            else:  # no gradient here this step: a zero flag, so that this rank still enters its peers' all-reduce,
+                # recorded as one optimizer's, so that GradScaler.update() (which needs one) reads the agreed flag
+                overflow = torch.zeros(1, device=buckets[0].flat.device if buckets else None)
+                if buckets:
+                    self.scaler.unscale_(buckets[0].optimizer)
+                    found = [overflow.new_zeros(())]
+                    self.scaler._found_inf_per_device(buckets[0].optimizer)[overflow.device] = found[0]
+            if members.world_size > 1:
+                with peers_must_answer(f"the overflow check at step {step}", members.timeout):
+                    run_collective(dist.all_reduce, overflow, op=dist.ReduceOp.MAX)
+            for t in found:
+                t.copy_(overflow.reshape(()))  # what GradScaler.update() reads
+            self.overflow = bool(overflow.item())
         if self.grad_clip_norm > 0:
             grads = [p for b in buckets for p in b.params if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(grads, self.grad_clip_norm)
