@@ -479,6 +479,6 @@ def test_processes_on_one_gpu_match_replay(world_size: int, topology: str) -> No
     CUDA tensors on a group of 4 only), the exchange group carrying a time limit as under the launcher."""
     backend = one_gpu_backend_or_skip(needs_pairs=topology != "complete" or world_size == 2)
     t0 = time.perf_counter()
-    ranks = run_spawned(_engine_worker, world_size, topology, 120.0, timeout=150, backend=backend, one_gpu=True)
+    ranks = run_spawned(_engine_worker, world_size, topology, 120.0, timeout=120, backend=backend, one_gpu=True)
     _check_engine_runs(ranks, world_size, topology, f"one-gpu/engine/{topology}{world_size}", backend=backend,
                        seconds=round(time.perf_counter() - t0, 1))

@@ -328,7 +328,7 @@ def _on_one_gpu() -> tuple[str, str, list[dict[str, Any]]]:
     pairs = DEVICE.type != "cuda" or backend == "nccl"
     topology = "ring" if pairs else "complete"
     cases = (*FRONTS, "int8", "fsdp2") if pairs else tuple(FRONTS)
-    return backend, topology, run_spawned(_fronts_worker, 4, topology, cases, timeout=300, backend=backend,
+    return backend, topology, run_spawned(_fronts_worker, 4, topology, cases, timeout=200, backend=backend,
                                           one_gpu=True)
 
 
