@@ -157,11 +157,18 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
     return moments, counters
 
 
+# What FSDP2 calls (same arguments): torch 2.14 has the *_single names; 2.11 has neither and calls these.
+FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER = (
+    ("all_gather_single", "reduce_scatter_single") if hasattr(dist, "all_gather_single")
+    else ("all_gather_into_tensor", "reduce_scatter_tensor")
+)
+
+
 @contextlib.contextmanager
 def replica_traffic(k: int, into: dict[str, Any]) -> Iterator[None]:
     """Adds to ``into`` what FSDP2's all-gathers and reduce-scatters inside the replica send from this rank while
     inside (ring collectives over the replica's ``k`` ranks; see the module) and the dtypes they carry."""
-    originals = dist.all_gather_single, dist.reduce_scatter_single
+    originals = getattr(dist, FSDP_ALL_GATHER), getattr(dist, FSDP_REDUCE_SCATTER)
 
     def gather(output: Tensor, input: Tensor, *args: Any, **kwargs: Any) -> Any:
         into["all_gather_bytes"] += (k - 1) * input.numel() * input.element_size()
@@ -175,11 +182,11 @@ def replica_traffic(k: int, into: dict[str, Any]) -> Iterator[None]:
         return originals[1](*args, **kwargs)
 
     into.update(all_gather_bytes=0, reduce_scatter_bytes=0.0, all_gather_dtypes=set(), reduce_scatter_dtypes=set())
-    dist.all_gather_single, dist.reduce_scatter_single = gather, reduce_scatter
+    setattr(dist, FSDP_ALL_GATHER, gather), setattr(dist, FSDP_REDUCE_SCATTER, reduce_scatter)
     try:
         yield
     finally:
-        dist.all_gather_single, dist.reduce_scatter_single = originals
+        setattr(dist, FSDP_ALL_GATHER, originals[0]), setattr(dist, FSDP_REDUCE_SCATTER, originals[1])
         for key in ("all_gather_dtypes", "reduce_scatter_dtypes"):
             into[key] = sorted(into[key])
 

@@ -142,9 +142,11 @@ def _sharded(rank: int, world_size: int, policy: str, kind: str) -> dict[str, An
     from decent_train.components.models import shard_units
 
     counts: dict[str, list[tuple[torch.dtype, int]]] = defaultdict(list)
-    dist.all_gather_single = _counting(counts, "all_gather", dist.all_gather_single, lambda out, inp, **_: [inp])
-    dist.reduce_scatter_single = _counting(counts, "reduce_scatter", dist.reduce_scatter_single,
-                                           lambda **kw: [kw["input"]])
+    # What FSDP2 calls (same arguments): torch 2.14 has the *_single names; 2.11 has neither and calls the others.
+    gather, scatter = (("all_gather_single", "reduce_scatter_single") if hasattr(dist, "all_gather_single")
+                       else ("all_gather_into_tensor", "reduce_scatter_tensor"))
+    setattr(dist, gather, _counting(counts, "all_gather", getattr(dist, gather), lambda out, inp, **_: [inp]))
+    setattr(dist, scatter, _counting(counts, "reduce_scatter", getattr(dist, scatter), lambda **kw: [kw["input"]]))
     dist.batch_isend_irecv = _counting(counts, "gossip", dist.batch_isend_irecv,
                                        lambda ops: [op.tensor for op in ops if op.op is dist.isend])
     mesh = init_device_mesh("cpu", (REPLICAS, SHARD), mesh_dim_names=("replicate", "shard"))
