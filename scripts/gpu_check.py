@@ -355,7 +355,8 @@ def write_summary(out: Path, steps: list[Step], env: dict[str, Any], smi: str, s
         "budget; `bash scripts/gpu_check.sh` (scripts/gpu_check.py); the console: gpu_check.log", "",
         f"- GPU: {', '.join(gpus) or '?'} ({len(gpus)} visible, {env.get('gpu_memory_gib', '?')} GiB, "
         f"{env.get('capability', '?')}); nvidia-smi (name, driver, memory, power limit): {smi}",
-        f"- torch {env.get('torch', '?')}, CUDA {env.get('cuda', '?')}, cuDNN {env.get('cudnn', '?')}, "
+        f"- driver {env.get('driver', '?')}, torch {env.get('torch', '?')}, CUDA {env.get('cuda', '?')}, cuDNN "
+        f"{env.get('cudnn', '?')}, "
         f"NCCL {env.get('nccl', '?')}, Python {env.get('python', '?')}", "",
         "## Failures", "", *([f"- {f}" for f in failures] or ["none"]), "",
         "## Steps", "", "| step | result | seconds |", "|---|---|---|",
@@ -446,6 +447,8 @@ def main(argv: list[str]) -> int:
         return skip_mode(out, steps, env)
 
     smi = nvidia_smi()
+    fields = [f.strip() for f in smi.splitlines()[0].split(",")] if smi else []
+    env["driver"] = fields[1] if len(fields) > 1 else "?"  # name, driver_version, memory.total, power.limit
     print(f"CUDA GPU: {', '.join(env['gpus'])}; nvidia-smi: {smi}")
     print(f"torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}, NCCL {env['nccl']}; "
           f"budget {BUDGET_S:.0f} s; out: {out}; scratch: {scratch}", flush=True)
