@@ -13,14 +13,14 @@ from decent_train.training.job import Job
 
 
 class Checkpointer:
-    """Saves every ``checkpoint.every`` steps and after the last (never when ``checkpoint.every`` is 0)."""
+    """Saves every ``checkpoint.every`` steps and after the last (``checkpoint.every=0``: only after the last)."""
 
     def __init__(self, job: Job) -> None:
         self.job = job
 
     def should_save(self, step: int) -> bool:
         every = self.job.cfg.checkpoint.every
-        return every > 0 and (step % every == 0 or step == self.job.total_steps)
+        return step == self.job.total_steps or (every > 0 and step % every == 0)
 
     def save(self, step: int) -> Path:
         """This worker's state at ``step`` (the caller has checked the loss is finite)."""
