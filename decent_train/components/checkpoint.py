@@ -41,10 +41,18 @@ MANIFEST = "manifest.json"
 
 @dataclass
 class CheckpointConfig:
-    """``conf/checkpoint/*.yaml``: when to checkpoint and how many to keep."""
+    """``conf/checkpoint/*.yaml``: when to checkpoint, how many to keep, and what ``resume=`` does when none of its
+    checkpoints can be read.
 
-    every: int = 1000  # optimizer steps between checkpoints (and one at the end); 0: none at all
+    ``every=0`` writes no periodic checkpoint but still the final one: the finished run can be resumed (to evaluate,
+    or to train on with more steps), and a benchmark pays for one write instead of many. ``fresh_if_unreadable``
+    exists because starting from step 0 silently would throw away what the user asked to continue: with ``resume=DIR``
+    and no readable checkpoint there the launcher stops, naming each one tried, unless this says to start afresh
+    (a requeued job's script that always passes ``resume=``)."""
+
+    every: int = 1000  # optimizer steps between checkpoints; 0: none but the final one (written in every case)
     keep: int = 2  # the newest complete checkpoints kept; older ones are deleted
+    fresh_if_unreadable: bool = False  # resume=DIR without a readable checkpoint: start from step 0 instead of stopping
 
     def __post_init__(self) -> None:
         if self.every < 0 or self.keep < 1:
@@ -152,15 +160,61 @@ def _write_atomically(path: Path, write: Any) -> tuple[str, int]:
     return writer.sha256.hexdigest(), writer.size
 
 
-def complete_checkpoints(run_dir: Path) -> list[Checkpoint]:
-    """The checkpoints of ``run_dir`` that have a manifest, newest first."""
+def complete_checkpoints(run_dir: Path, unreadable: Optional[list[tuple[Path, str]]] = None) -> list[Checkpoint]:
+    """The checkpoints of ``run_dir`` that have a readable manifest, newest first. A manifest that cannot be read (or
+    lacks what loading needs) skips its checkpoint: into ``unreadable`` as (its directory, why) if given, else with a
+    warning."""
     found = []
     for manifest in (run_dir / CHECKPOINTS).glob(f"step_*/{MANIFEST}"):
         try:
-            found.append(Checkpoint(manifest.parent, json.loads(manifest.read_text())))
-        except (OSError, ValueError):
-            logger.warning(f"{manifest} cannot be read: that checkpoint is skipped")
+            checkpoint = Checkpoint(manifest.parent, json.loads(manifest.read_text()))
+            why = _manifest_problem(checkpoint.manifest)
+        except (OSError, ValueError) as error:
+            why = f"{MANIFEST} cannot be read ({getattr(error, 'strerror', None) or error})"
+        if not why:
+            found.append(checkpoint)
+        elif unreadable is not None:
+            unreadable.append((manifest.parent, why))
+        else:
+            logger.warning(f"{manifest.parent}: {why}; that checkpoint is skipped")
     return sorted(found, key=lambda c: c.step, reverse=True)
+
+
+def _manifest_problem(manifest: Any) -> str:
+    """What a parsed manifest lacks that loading its checkpoint needs (a hand-edited or damaged file); empty if
+    nothing: the step, the world size, the topology and one entry with a file, checksum and size per rank."""
+    if not isinstance(manifest, dict) or not all(k in manifest for k in ("step", "world_size", "topology", "ranks")):
+        return f"{MANIFEST} lacks step, world_size, topology or ranks"
+    ranks = manifest["ranks"]
+    if not isinstance(ranks, list) or len(ranks) != manifest["world_size"] or not all(
+        isinstance(e, dict) and {"file", "sha256", "bytes"} <= e.keys() for e in ranks
+    ):
+        return f"{MANIFEST} does not list a file, sha256 and bytes for each of its {manifest['world_size']} ranks"
+    return ""
+
+
+def verify_checkpoint(checkpoint: Checkpoint) -> str:
+    """Why one of ``checkpoint``'s files (any rank's, DCP shards included) does not match its manifest, the first
+    found; empty if all do. The launcher's check before any worker starts (it reads every file once): a resume that
+    would find nothing readable stops there, in one line, instead of in every worker."""
+    for entry in checkpoint.manifest["ranks"]:
+        why = _check_files(checkpoint, [entry, *entry.get("sharded", [])])
+        if why:
+            return why
+    return ""
+
+
+FRESH_FLAG = "checkpoint.fresh_if_unreadable=true"
+
+
+def describe_unreadable(where: str, tried: list[tuple[Path, str]]) -> str:
+    """One line: ``where`` (``resume=DIR``) has no checkpoint that can be read, each one ``tried`` with why (paths
+    inside its directory shortened), and the flag that starts afresh instead."""
+    if not tried:
+        return f"{where} holds no complete checkpoint (checkpoints/step_*/{MANIFEST}); to train from step 0 instead, " \
+               f"add {FRESH_FLAG}"
+    listed = ", ".join(f"{path.name} [{why.replace(f'{path}/', '')}]" for path, why in tried)
+    return f"{where}: no checkpoint can be read: {listed}; to train from step 0 instead, add {FRESH_FLAG}"
 
 
 def save_checkpoint(
@@ -320,18 +374,26 @@ def _with_floats(obj: Any, values: Iterator[torch.Tensor]) -> Any:
 
 def load_latest_checkpoint(
     run_dirs: list[Path], topology: str, model: dict[str, Any], prepare_average: Prepare = lambda state: state,
-    shard: int = 1,
+    shard: int = 1, tried: Optional[list[tuple[Path, str]]] = None,
 ) -> tuple[Optional[Checkpoint], Optional[dict[str, Any]]]:
     """The newest checkpoint in ``run_dirs`` (in order of preference) that every rank can read, and this rank's state:
     its own file's, or, written by another number of workers (or of ``shard`` per replica), the average of all
     files' ``prepare_average``d states (marked ``averaged_from``: the number of files).
 
-    Collective. A checkpoint with a bad file on any rank is skipped on all, with a warning; a checkpoint of another
-    topology or model is an error (``ValueError``).
+    Collective. A checkpoint with a bad file on any rank (or a bad manifest) is skipped on all, with one warning line
+    on rank 0, and appended to ``tried`` as (its directory, why); a checkpoint of another topology or model is an
+    error (``ValueError``).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
+    tried = [] if tried is None else tried
     for run_dir in run_dirs:
-        for checkpoint in complete_checkpoints(run_dir):
+        unreadable: list[tuple[Path, str]] = []
+        checkpoints = complete_checkpoints(run_dir, unreadable)
+        for path, why in unreadable:
+            if rank == 0:
+                logger.warning(f"checkpoint {path.name} skipped: {why}")
+        tried += unreadable
+        for checkpoint in checkpoints:
             mismatch = checkpoint.describe_mismatch(world, topology, model, shard)
             if mismatch:
                 raise ValueError(mismatch)
@@ -347,6 +409,7 @@ def load_latest_checkpoint(
             bad = [p for p in problems if p]
             if not bad:
                 return checkpoint, state
+            tried.append((checkpoint.path, bad[0]))
             if rank == 0:
                 logger.warning(f"checkpoint {checkpoint.path.name} skipped: {'; '.join(bad)}; trying the one before")
     return None, None

@@ -2,18 +2,21 @@
 
 ``check_config`` checks values and their combinations (cheap, and again in every worker); what needs the disk, the
 user's code or every world size an elastic job may run at is here, so that a mistake still ends in one line with
-exit status 2 instead of a failed worker: the dataset's files, the partition against each world size, importing
-``topology.module``, building every topology the run gossips over, ``resume``'s checkpoint, and the engine's
-environment variables (``DECENT_TRAIN_HOST_MALLOC``, ``DECENT_TRAIN_COMPILED_INT8``).
+exit status 2 instead of a failed worker: the run directory takes files, the dataset's files (npz: their arrays'
+shapes, labels and values, and that the model takes their samples), the partition against each world size,
+importing ``topology.module``, building every topology the run gossips over, ``resume``'s checkpoints (every rank's
+file against its manifest's checksum), and the engine's environment variables (``DECENT_TRAIN_HOST_MALLOC``,
+``DECENT_TRAIN_COMPILED_INT8``).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 
-from decent_train.components.checkpoint import complete_checkpoints
+from decent_train.components.checkpoint import complete_checkpoints, describe_unreadable, verify_checkpoint
 from decent_train.components.models import ModelConfig, build_model
 from decent_train.config import TrainConfig
 from decent_train.engine import reconfigure
@@ -24,7 +27,10 @@ from decent_train.engine.int8_kernels import compiled_int8_choice
 def preflight(cfg: TrainConfig) -> None:
     """Raise ``ValueError`` (one line, naming the bad value) if ``cfg`` cannot run; ``launch.nproc_per_node`` must be
     resolved (the launcher does that first) for the checks over world sizes."""
+    check_run_dir(cfg)
     cfg.dataset.check_files()
+    cfg.dataset.check_values()
+    check_model_input(cfg)
     host_malloc_choice(), compiled_int8_choice()  # the engine's environment variables
     if cfg.launch.nproc_per_node is not None:
         cfg.dataset.check_partition(cfg.launch.world_sizes)
@@ -34,6 +40,38 @@ def preflight(cfg: TrainConfig) -> None:
     check_fragments(cfg)
     if cfg.fault_tolerance.live:
         check_live(cfg)
+
+
+def check_run_dir(cfg: TrainConfig) -> None:
+    """The run directory takes files. Hydra makes it before the job runs (the launcher turns its error into one
+    line); one that already existed may still refuse writes (read-only, a full disk: hydra.output_subdir=null writes
+    nothing there first), which would fail later, after the workers started, so a small file is written and removed."""
+    run_dir = Path(cfg.run.output_dir) if cfg.run.output_dir else None
+    if run_dir is None or not run_dir.is_dir():
+        return
+    probe = run_dir / f".write_check.{os.getpid()}"
+    try:
+        probe.write_bytes(bytes(4096))
+        probe.unlink()
+    except OSError as error:
+        raise ValueError(f"hydra.run.dir: cannot write {run_dir} ({error.strerror or error}); give "
+                         "hydra.run.dir=<a directory you can write to>") from None
+
+
+def check_model_input(cfg: TrainConfig) -> None:
+    """The model takes the dataset's samples, where only the files say their shape (npz): built and run on the meta
+    device (no memory, no computation) instead of failing in every worker."""
+    sample_shape = cfg.dataset.kind.sample_shape
+    if sample_shape is None:
+        return
+    shape = sample_shape(cfg.dataset)
+    try:
+        with torch.device("meta"):
+            build_model(cfg.model, shape, 2)(torch.empty(2, *shape))
+    except (ValueError, RuntimeError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"dataset.root={cfg.dataset.root}: samples of shape {list(shape)} do not fit "
+                         f"model={cfg.model.name}: {reason}") from None
 
 
 def check_live(cfg: TrainConfig) -> None:
@@ -64,15 +102,24 @@ def check_topologies(cfg: TrainConfig) -> None:
 
 
 def check_resume(cfg: TrainConfig) -> None:
-    """``resume`` holds a complete checkpoint, trained with this run's world size, schedule and model."""
-    checkpoints = complete_checkpoints(Path(cfg.resume))
-    if not checkpoints:
-        raise ValueError(f"resume={cfg.resume} holds no complete checkpoint (checkpoints/step_*/manifest.json)")
-    if cfg.launch.nproc_per_node is not None:
-        mismatch = checkpoints[0].describe_mismatch(cfg.launch.world_size, cfg.schedule(), cfg.model.architecture(),
+    """``resume`` holds a complete checkpoint that every rank's files match (its manifest's checksums: the newest
+    such one is what the workers continue from), trained with this run's world size, schedule and model. None
+    readable: one line naming each one tried and why, unless ``checkpoint.fresh_if_unreadable`` (then the workers
+    start from step 0 and say so)."""
+    unreadable: list[tuple[Path, str]] = []
+    checkpoints = complete_checkpoints(Path(cfg.resume), unreadable)
+    for checkpoint in checkpoints:
+        if cfg.launch.nproc_per_node is not None:
+            mismatch = checkpoint.describe_mismatch(cfg.launch.world_size, cfg.schedule(), cfg.model.architecture(),
                                                     cfg.parallel.shard)
-        if mismatch:
-            raise ValueError(f"resume={cfg.resume}: {mismatch}")
+            if mismatch:
+                raise ValueError(f"resume={cfg.resume}: {mismatch}")
+        why = verify_checkpoint(checkpoint)
+        if not why:
+            return  # the workers warn, one line each, about the newer ones they skip
+        unreadable.append((checkpoint.path, why))
+    if not cfg.checkpoint.fresh_if_unreadable:
+        raise ValueError(describe_unreadable(f"resume={cfg.resume}", unreadable))
 
 
 def check_fragments(cfg: TrainConfig) -> None:

@@ -12,7 +12,7 @@ from loguru import logger
 from torch import nn
 
 from decent_train.algorithms.base import Algorithm
-from decent_train.components.checkpoint import Checkpoint, load_latest_checkpoint
+from decent_train.components.checkpoint import FRESH_FLAG, Checkpoint, describe_unreadable, load_latest_checkpoint
 from decent_train.components.data import Datasets
 from decent_train.config import TrainConfig
 
@@ -21,12 +21,26 @@ def load_checkpoint(
     cfg: TrainConfig, run_dir: Path, algorithm: type[Algorithm]
 ) -> tuple[Checkpoint | None, dict[str, Any] | None]:
     """The newest checkpoint every rank completed in ``run_dir``, else ``cfg.resume``'s, and this worker's state
-    from it (the average of the saved workers' when the world size differs); (None, None) when there is none."""
-    return load_latest_checkpoint(
+    from it (the average of the saved workers' when the world size differs); (None, None) when there is none.
+
+    Starting from step 0 when checkpoints exist but none can be read (or ``resume=`` holds none) would throw away what
+    the user asked to continue, so that is a ``ValueError`` naming each one tried, unless
+    ``checkpoint.fresh_if_unreadable`` says to start afresh. The launcher's preflight says the same before any worker
+    starts; this is for files damaged since, and for workers that torchrun restarts."""
+    tried: list[tuple[Path, str]] = []
+    checkpoint, state = load_latest_checkpoint(
         [run_dir] + ([Path(cfg.resume)] if cfg.resume else []), cfg.schedule(dist.get_world_size()),
         cfg.model.architecture(), prepare_average=lambda saved: _averageable(saved, algorithm),
-        shard=cfg.parallel.shard,
+        shard=cfg.parallel.shard, tried=tried,
     )
+    if checkpoint is None and (tried or cfg.resume):
+        line = describe_unreadable(f"resume={cfg.resume}" if cfg.resume else str(run_dir), tried)
+        if not cfg.checkpoint.fresh_if_unreadable:
+            raise ValueError(line)
+        if dist.get_rank() == 0:
+            logger.warning(f"{line.rpartition('; to train from step 0')[0]}; training from step 0 "
+                           f"({FRESH_FLAG})")
+    return checkpoint, state
 
 
 def restore(

@@ -4,9 +4,11 @@ real data, no download), ``synthetic`` (Gaussian class clusters of any size and 
 
 from __future__ import annotations
 
+import math
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Optional
+from typing import IO, Any, Optional
 
 import numpy as np
 import torch
@@ -160,6 +162,86 @@ def npz(root: Path) -> TensorData:
 def missing_npz(root: Path) -> list[str]:
     """The files of ``NPZ_FILES`` that ``root`` lacks (cheap: names only)."""
     return [f for f in NPZ_FILES if not (root / f).is_file()]
+
+
+def _read_header(file: IO[bytes]) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """An .npy file's shape, Fortran order and dtype; ``file`` is left at the start of the data."""
+    version = np.lib.format.read_magic(file)
+    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, fortran, dtype = read(file)
+    return tuple(shape), fortran, dtype
+
+
+def _npz_header(archive: zipfile.ZipFile, key: str) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype of array ``key`` of an open npz, from its .npy header (no data read)."""
+    with archive.open(f"{key}.npy") as file:
+        shape, _, dtype = _read_header(file)
+    return shape, dtype
+
+
+def _npz_headers(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """x's and y's (shape, dtype) in ``path``; a file that is no npz holding both is a ``ValueError``."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            missing = [k for k in ("x", "y") if f"{k}.npy" not in archive.namelist()]
+            if missing:
+                raise ValueError(f"{path}: no array {' or '.join(missing)}; expected {NPZ_LAYOUT}")
+            return {key: _npz_header(archive, key) for key in ("x", "y")}
+    except (OSError, zipfile.BadZipFile) as error:
+        raise ValueError(f"{path}: cannot read arrays x and y ({error}); expected {NPZ_LAYOUT}") from None
+
+
+def check_npz(root: Path) -> tuple[int, ...]:
+    """``root``'s train.npz and test.npz hold what the worker needs (``NPZ_LAYOUT``), checked from the arrays'
+    headers and the labels (small), not x's data: as many labels as samples, integer labels from 0, numeric samples
+    of one shape in both files. The sample shape. Run by the preflight, so a malformed file is refused before any
+    worker starts instead of failing in each."""
+    shapes = []
+    for name in NPZ_FILES:
+        path = root / name
+        (x_shape, x_dtype), (y_shape, y_dtype) = _npz_headers(path).values()
+        if x_dtype.kind not in "uif" or len(x_shape) < 2:
+            raise ValueError(f"{path}: x is {x_dtype} of shape {x_shape}; expected numbers (uint8 or float), "
+                             "samples first, then at least one dimension per sample")
+        if len(y_shape) != 1 or y_dtype.kind not in "iu":
+            raise ValueError(f"{path}: y is {y_dtype} of shape {y_shape}; expected one integer label per sample")
+        if x_shape[0] != y_shape[0] or x_shape[0] == 0:
+            raise ValueError(f"{path}: x has {x_shape[0]} samples, y has {y_shape[0]} labels; expected as many labels "
+                             "as samples, at least one")
+        low = int(_load_labels(path).min())
+        if low < 0:
+            raise ValueError(f"{path}: y holds the label {low}; expected labels 0, 1, ..., classes - 1")
+        shapes.append(x_shape[1:])
+    if shapes[0] != shapes[1]:
+        raise ValueError(f"{root}: train.npz's samples have shape {shapes[0]}, test.npz's {shapes[1]}; expected one "
+                         "shape")
+    return shapes[0]
+
+
+def check_npz_values(root: Path, chunk_bytes: int = 1 << 26) -> None:
+    """Every floating-point sample value in ``root``'s files is finite (a NaN becomes a NaN loss at the step that
+    first meets it). Streams x's data once, ``chunk_bytes`` at a time: the preflight's, not the worker's, cost."""
+    for name in NPZ_FILES:
+        path = root / name
+        with zipfile.ZipFile(path) as archive, archive.open("x.npy") as file:
+            shape, fortran, dtype = _read_header(file)
+            if dtype.kind != "f":
+                continue
+            total, count = math.prod(shape), 0
+            while count < total:
+                values = np.frombuffer(file.read(max(1, chunk_bytes // dtype.itemsize) * dtype.itemsize), dtype=dtype)
+                if len(values) == 0:
+                    raise ValueError(f"{path}: x's data ends early; expected {shape}")
+                bad = np.flatnonzero(~np.isfinite(values))
+                if len(bad):
+                    where = "" if fortran else f" in sample {(count + int(bad[0])) // math.prod(shape[1:])}"
+                    raise ValueError(f"{path}: x holds {values[bad[0]]}{where}; expected finite values")
+                count += len(values)
+
+
+def _load_labels(path: Path) -> np.ndarray:
+    with np.load(path) as arrays:
+        return arrays["y"]
 
 
 def _load_npz(path: Path) -> tuple[Tensor, Tensor]:
