@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +204,8 @@ def describe_error(error: BaseException) -> str | None:
     """One line naming the bad value and what is valid, for errors caused by the user's input; None for bugs."""
     if isinstance(error, (ValueError, WorkerFailure, JobFailed)) and not isinstance(error, OmegaConfBaseException):
         return str(error)
+    if isinstance(error, OSError) and _raised_by_hydra_output(error):
+        return unwritable_run_dir(error)
     if isinstance(error, MissingConfigException) and str(error).startswith("Cannot find primary config"):
         recipes = sorted(p.stem for p in Path(shipped_dir("recipes")).glob("*.yaml"))
         return f"-cn {error.missing_cfg_file} is not a recipe; valid: {', '.join(recipes)} (or train, the default)"
@@ -223,6 +226,26 @@ def describe_error(error: BaseException) -> str | None:
     if isinstance(error, HydraException):
         return str(error).strip().splitlines()[0]
     return None
+
+
+def _raised_by_hydra_output(error: OSError) -> bool:
+    """Whether Hydra raised ``error`` making the run (or sweep) directory or writing its ``.hydra/`` files: that
+    happens before ``_run_job``, so the preflight cannot check it first; any other OSError is not sorted here."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if f"{os.sep}hydra{os.sep}" in f.filename]
+    return bool(frames) and frames[-1].name in ("run_job", "_save_config", "launch", "sweep")
+
+
+def unwritable_run_dir(error: OSError) -> str:
+    """One line for a run directory that cannot be made or written: which key sets it, the path, why (an ancestor
+    that is a file, named), and what is valid."""
+    key = "hydra.sweep.dir" if any(a in ("-m", "--multirun") for a in sys.argv[1:]) else "hydra.run.dir"
+    path = Path(str(error.filename)) if error.filename else None
+    why = error.strerror or str(error)
+    if path is not None:
+        blocking = next((p for p in [path, *path.parents] if p.exists()), None)
+        if blocking is not None and not blocking.is_dir():
+            why += f": {blocking} is a file"
+    return f"{key}: cannot create or write {path} ({why}); give {key}=<a directory you can write to>"
 
 
 def _algorithm_hint(full_key: str) -> str:
