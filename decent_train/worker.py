@@ -21,7 +21,7 @@ from decent_train.components.metrics import setup_worker_logging
 from decent_train.config import load_config
 from decent_train.engine.comm import peers_must_answer
 from decent_train.runtime import die_with_agent, init_distributed
-from decent_train.training import train
+from decent_train.training import stop, train
 from decent_train.training.live import STORE_ENV, LiveMembership, connect
 
 
@@ -42,11 +42,16 @@ def main(argv: list[str] | None = None) -> None:
         device = torch.device("cpu")
         setup_worker_logging(run_dir, member, cfg.logger, name=f"member{member}")  # founders: member id = rank
     else:
+        stop.install()  # live membership: the supervisor stops its workers (launcher/supervisor.py)
         device = init_distributed(cfg.launch.device, timedelta(seconds=cfg.pg_timeout_s))
         setup_worker_logging(run_dir, dist.get_rank(), cfg.logger)
     finished = False
     try:
-        train(cfg, run_dir, device, live=live)
+        try:
+            train(cfg, run_dir, device, live=live)
+        except stop.TrainingStopped as stopped:  # on a signal, with a checkpoint: exit 0 (training/stop.py)
+            if dist.get_rank() == 0:
+                stopped.stop.write(run_dir)
         gc.collect()  # free the engine (its hooks make reference cycles) while its process groups are alive
         with peers_must_answer("the barrier at the end of training"):
             dist.barrier()  # leave together: a peer tearing down gloo while others still talk to it aborts them

@@ -9,10 +9,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
 import traceback
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import hydra
@@ -24,8 +26,10 @@ from hydra.types import RunMode
 from loguru import logger
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+from torch.distributed.elastic.multiprocessing.api import SignalException
 
 import decent_train.algorithms  # noqa: F401 - registers every algorithm, and the schema of its options
+from decent_train.components.checkpoint import complete_checkpoints
 from decent_train.components.data import prepare as prepare_data
 from decent_train.config import (
     ALGORITHM_TRAITS,
@@ -40,6 +44,7 @@ from decent_train.config import (
     node_range,
 )
 from decent_train.launcher.launch import (
+    Interrupted,
     WorkerFailure,
     check_devices,
     format_command,
@@ -49,6 +54,7 @@ from decent_train.launcher.launch import (
 )
 from decent_train.launcher.preflight import preflight
 from decent_train.launcher.supervisor import run_supervised
+from decent_train.training.stop import EXIT_STOPPED, STOP_FILE, Stop
 
 
 def shipped_dir(name: str) -> str:
@@ -152,7 +158,14 @@ def _train(cfg: TrainConfig, run_dir: Path, config_path: Path) -> float:
     if cfg.fault_tolerance.live:
         changes = run_supervised(cfg, config_path, run_dir)
     else:
-        launch_workers(cfg.launch, config_path)
+        (run_dir / STOP_FILE).unlink(missing_ok=True)  # an earlier launch's, into the same directory
+        try:  # a signal: the workers stop at a step they agree on, with a checkpoint (training/stop.py)
+            launch_workers(cfg.launch, config_path)
+        except Interrupted as interrupted:  # a second Ctrl-C
+            _exit_stopped(cfg, run_dir, interrupted.sig)
+        stop = Stop.read(run_dir)
+        if stop is not None:
+            _exit_stopped(cfg, run_dir, signal.Signals[stop.signal])
     wall = time.perf_counter() - start
     result_path = run_dir / RESULT_FILE
     result = json.loads(result_path.read_text())  # rank 0 wrote it before every worker left (a barrier)
@@ -173,6 +186,23 @@ def _train(cfg: TrainConfig, run_dir: Path, config_path: Path) -> float:
         flush=True,
     )
     return float(result["eval/accuracy"])
+
+
+def _exit_stopped(cfg: TrainConfig, run_dir: Path, sig: signal.Signals) -> None:
+    """One line on how the run stopped and how to go on; exit :data:`EXIT_STOPPED` when every worker saved at the
+    step they agreed on, 128 + the signal's number when they were killed before (a second Ctrl-C)."""
+    stop = Stop.read(run_dir)
+    if stop is None:
+        kept = complete_checkpoints(run_dir)
+        since = f"the newest checkpoint is {kept[0].path}" if kept else "no checkpoint was written"
+        print(f"decent-train: stopped by {sig.name} at once, without a checkpoint of its own ({since})", file=sys.stderr,
+              flush=True)
+        raise SystemExit(128 + int(sig))
+    kept_overrides = [o for o in cfg.run.overrides if not o.lstrip("+~").startswith(("hydra.", "resume="))]
+    again = format_command(["decent-train", f"resume={run_dir}", *kept_overrides])
+    print(f"decent-train: stopped by {stop.signal} at step {stop.step} of {stop.total_steps} with a checkpoint "
+          f"({stop.checkpoint}); to go on: {again}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_STOPPED)
 
 
 def _print_dry_run(cfg: TrainConfig, config_path: Path) -> None:
@@ -275,6 +305,10 @@ def _exit_with(message: str, status: int) -> None:
     raise SystemExit(status)
 
 
+def _raise_signal(signum: int, frame: FrameType | None) -> None:
+    raise SignalException(f"got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
+
+
 def main() -> None:
     """Console entry point. Errors in the user's input end in one line on stderr and exit status 2."""
     full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
@@ -282,8 +316,15 @@ def main() -> None:
     logger.remove()
     logger.add(sys.stderr, level="INFO", format="<green>{time:HH:mm:ss}</green> | <level>{message}</level>")
     sys.argv = with_recipes(sys.argv)
+    for sig in (signal.SIGTERM, signal.SIGUSR1):  # before the workers start: stop with one line (below)
+        signal.signal(sig, _raise_signal)
     try:
         _run_job()
+    except (KeyboardInterrupt, SignalException) as error:  # outside launch_workers (it has its own)
+        sig = error.sigval if isinstance(error, SignalException) else signal.SIGINT
+        print(f"decent-train: stopped by {sig.name}; no checkpoint was written at this stop", file=sys.stderr,
+              flush=True)
+        raise SystemExit(128 + int(sig)) from None
     except Exception as error:  # noqa: BLE001 - composition errors (unknown key or option, bad type) end here
         message = None if full_error else describe_error(error)
         if message is None:

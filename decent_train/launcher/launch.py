@@ -12,12 +12,15 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig as ElasticLaunchConfig
 from torch.distributed.launcher.api import elastic_launch
 
 from decent_train.config import TORCH_KEEP_ALIVE_S, TORCH_LAST_CALL_S, LaunchConfig
+from decent_train.training.stop import STOP_SIGNALS
 
 WORKER_MODULE = "decent_train.worker"
 # torch 2.15 shares the rank-0 agent's TCP store with the workers and caches its address across rendezvous rounds.
@@ -81,8 +84,22 @@ def slurm_rendezvous() -> tuple[str, str]:
     return f"{hosts[0]}:{29500 + int(job_id) % 10000}", job_id
 
 
+class Interrupted(Exception):
+    """A second Ctrl-C while the workers were stopping: they were killed at once."""
+
+    def __init__(self, sig: signal.Signals) -> None:
+        super().__init__(f"stopped by {sig.name}")
+        self.sig = sig
+
+
 def launch_workers(cfg: LaunchConfig, config_path: Path) -> None:
-    """Run the workers on this node until they finish; raise :class:`WorkerFailure` if one fails."""
+    """Run the workers on this node until they finish; raise :class:`WorkerFailure` if one fails.
+
+    SIGINT, SIGTERM and SIGUSR1 go to the workers, which stop at a step they agree on with a checkpoint and exit 0
+    (training/stop.py); a second SIGINT kills them and raises :class:`Interrupted`. The launcher forwards these
+    itself: torchrun's agent would, but after a first signal it waits for the workers in a ``finally`` as well, so a
+    second Ctrl-C would wait again instead of stopping.
+    """
     elastic = ElasticLaunchConfig(
         min_nodes=cfg.min_nodes,
         max_nodes=cfg.max_nodes,
@@ -93,16 +110,59 @@ def launch_workers(cfg: LaunchConfig, config_path: Path) -> None:
         rdzv_configs=_rendezvous_settings(cfg),
         max_restarts=cfg.max_restarts,
         monitor_interval=cfg.monitor_interval,
+        signals_to_handle="SIGHUP,SIGQUIT",  # the agent's way: it forwards them and waits (30 s), then kills
     )
     threads = cfg.threads_per_worker or default_threads_per_worker(cfg.nproc_per_node)
     # The agent logs each failure at ERROR; WorkerFailure reports the first one instead.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     os.environ[AGENT_PID_ENV] = str(os.getpid())  # the workers die with this agent (runtime.py: die_with_agent)
+    forward = _Forward()
+    saved = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
     with _environment(OMP_NUM_THREADS=str(threads), **(ELASTIC_ENV if cfg.elastic else {})):
         try:
             elastic_launch(elastic, sys.executable)("-u", "-m", WORKER_MODULE, str(config_path))
         except ChildFailedError as error:
+            if forward.killed is not None:
+                raise Interrupted(forward.killed) from None
             raise _failure(error) from None
+        except SignalException as error:
+            raise Interrupted(forward.killed or error.sigval) from None
+        finally:
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
+
+
+class _Forward:
+    """The launcher's handler of the stop signals while its workers run: the first goes on to every worker; a
+    SIGINT after it kills them (SIGKILL) and ends the agent's wait."""
+
+    def __init__(self) -> None:
+        self.received: signal.Signals | None = None
+        self.killed: signal.Signals | None = None
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        sig = signal.Signals(signum)
+        again = self.received is not None and sig == signal.SIGINT
+        self.received = self.received or sig
+        for pid in _workers():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL if again else sig)
+        if again:
+            self.killed = sig
+            raise SignalException(f"a second {sig.name}", sigval=sig)
+
+
+def _workers() -> list[int]:
+    """This process's children that run the worker module (the agent starts them; read from /proc)."""
+    me, found = str(os.getpid()), []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1] == me and \
+                    WORKER_MODULE.encode() in entry.joinpath("cmdline").read_bytes():
+                found.append(int(entry.name))
+    return found
 
 
 def _rendezvous_settings(cfg: LaunchConfig) -> dict[str, int]:

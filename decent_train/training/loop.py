@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import signal
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from loguru import logger
 from torch import Tensor, nn
 
+from decent_train.components.checkpoint import CHECKPOINTS
 from decent_train.components.metrics import MetricLogger
 from decent_train.engine.comm import ExchangeError
 from decent_train.training.checkpointer import Checkpointer
@@ -20,6 +22,7 @@ from decent_train.training.forward import cross_entropy
 from decent_train.training.job import Job
 from decent_train.training.live_changes import LiveTraining
 from decent_train.training.recorder import Recorder
+from decent_train.training.stop import REQUEST, Stop, TrainingStopped
 
 OnRecord = Callable[[dict[str, Any], nn.Module], None]
 T = TypeVar("T")
@@ -34,22 +37,25 @@ def train_loop(
     recorder, evaluator, checkpointer = Recorder(job, metrics), Evaluator(job), Checkpointer(job)
     batches = _batches(job, recorder)
     joined = live is not None and live.joined  # it joined after start_step: that step's records are still to come
+    stopped: Stop | None = None
     for step in range(job.start_step + (0 if joined else 1), job.total_steps + 1):
         evaluate_now = evaluator.should_evaluate(step)
         record_now = evaluate_now or recorder.should_record(step)
         save_now = checkpointer.should_save(step)
+        stop_signal = 0
         if step > job.start_step:
             _train_step(job, step, batches, recorder)
             if live is not None and live.change_at(step, needs_all=record_now or save_now):
                 live.change(step)
         try:
             if record_now or save_now:
-                recorder.check_finite()
+                stop_signal = recorder.check_finite(REQUEST.number)  # every rank: the same answer
             if record_now:
                 record = recorder.measure(step)
                 if on_record is not None:
                     on_record(record, algo.net)
                 if evaluate_now:
+                    logger.debug(f"step {step}: evaluating")
                     with recorder.paused():
                         record.update(_despite_changes(live, step, evaluator.evaluate))
                 recorder.log(record)
@@ -64,8 +70,25 @@ def train_loop(
             logger.warning(f"step {step}: {error}; the rest of this step's records is skipped")
         if live is not None and live.changed_at == step:
             batches = _batches(job, recorder)  # this worker's share over the new members
+        if stop_signal and step < job.total_steps:
+            stopped = _stop_at(job, step, stop_signal, checkpointer, recorder, saved=save_now)
+            break
     recorder.close()
+    if stopped is not None:
+        raise TrainingStopped(stopped)
     return _result(job, recorder, evaluator)
+
+
+def _stop_at(
+    job: Job, step: int, signum: int, checkpointer: Checkpointer, recorder: Recorder, saved: bool
+) -> Stop:
+    """A worker received a stop signal (training/stop.py): every worker saves its state at ``step`` (unless this
+    step's periodic checkpoint did) and stops."""
+    with recorder.paused():
+        path = job.run_dir / CHECKPOINTS / f"step_{step:08d}" if saved else checkpointer.save(step)
+    name = signal.Signals(signum).name
+    logger.debug(f"step {step}: stopping on {name}, checkpoint {path}")
+    return Stop(step, job.total_steps, name, str(path))
 
 
 def _despite_changes(live: LiveTraining | None, step: int, work: Callable[[], T]) -> T:

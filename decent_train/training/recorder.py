@@ -81,10 +81,11 @@ class Recorder:
         (an evaluation records too: the loop asks the evaluator)."""
         return step % self.job.cfg.logger.log_every == 0 or self._consensus_now(step) or step in self.phase_ends
 
-    def check_finite(self) -> None:
+    def check_finite(self, stop_signal: int = 0) -> int:
         """Stop on every rank if any rank's loss was NaN or infinite since the start: never log or save a diverged
-        model as if it were fine. Every rank calls it at the same steps."""
-        _check_finite(self.first_bad_step, self.job.run_dir)
+        model as if it were fine. Every rank calls it at the same steps. ``stop_signal``: this rank's (0: none); the
+        largest of any rank's, in the same gather (training/stop.py: every rank stops at the same step)."""
+        return _check_finite(self.first_bad_step, self.job.run_dir, stop_signal)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -180,9 +181,11 @@ def gather(values: list[float | torch.Tensor], device: torch.device) -> torch.Te
     return rows.cpu()
 
 
-def _check_finite(first_bad_step: torch.Tensor, run_dir: Path) -> None:
-    """Stop on every rank if any rank's loss was NaN or infinite since the start (``first_bad_step`` > 0)."""
-    steps = gather([first_bad_step], first_bad_step.device)[:, 0]
+def _check_finite(first_bad_step: torch.Tensor, run_dir: Path, stop_signal: int = 0) -> int:
+    """Stop on every rank if any rank's loss was NaN or infinite since the start (``first_bad_step`` > 0); the
+    largest ``stop_signal`` of any rank."""
+    rows = gather([first_bad_step, stop_signal], first_bad_step.device)
+    steps = rows[:, 0]
     if steps.max() > 0:
         step = int(steps[steps > 0].min())
         rank = int((steps == step).nonzero()[0])
@@ -192,6 +195,7 @@ def _check_finite(first_bad_step: torch.Tensor, run_dir: Path) -> None:
         if dist.get_rank() == 0:
             (run_dir / DIVERGED_FILE).write_text(why + "\n")
         raise NonFiniteLoss(why)
+    return int(rows[:, 1].max())
 
 
 def refuse_to_diverge_again(run_dir: Path) -> None:

@@ -29,6 +29,7 @@ from decent_train.training.live_changes import LiveTraining, seed_joiner
 from decent_train.training.loop import OnRecord, train_loop
 from decent_train.training.recorder import refuse_to_diverge_again
 from decent_train.training.resume import load_checkpoint, restore
+from decent_train.training.stop import TrainingStopped
 
 
 def train(
@@ -84,6 +85,9 @@ def train(
         live.commit()  # a founder: every member has built its engine (from rank 0's model)
     try:
         result = train_loop(job, metrics, on_record, live_training)
+    except TrainingStopped:  # on a signal, with a checkpoint: the records so far are complete
+        metrics.close()
+        raise
     except BaseException:
         metrics.close(failed=True)
         raise

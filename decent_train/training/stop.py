@@ -1,0 +1,88 @@
+"""Stopping on a signal: SIGINT (Ctrl-C), SIGTERM (SLURM's preemption, ``scancel``, time limit) and SIGUSR1 (SLURM's
+``--signal``, before the time limit) make every worker stop at the same step with a checkpoint there.
+
+The handler only notes the signal: the step in progress finishes. The workers agree on the step to stop at in the
+gather every record step already runs (``Recorder.check_finite``: the first NaN loss's step, and the signal, one
+column each), so stopping costs no collective and no host synchronisation beyond what a record costs; a worker that
+saw no signal learns of its peers' there. The stop comes at most ``logger.log_every`` steps after the signal (the
+workers may see it at different steps: torchrun's agent forwards it to one worker after another, and on several
+nodes each agent receives it at its own time). A second SIGINT ends the worker at once, without a checkpoint.
+
+After the checkpoint, rank 0 writes ``RUN_DIR/stopped.json`` (the step, the signal, the checkpoint) and every worker
+exits 0, so that an agent that saw no signal (another node's) does not take the stop for a failure and restart
+them; the launcher reads the file and exits with :data:`EXIT_STOPPED`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import FrameType
+
+STOP_FILE = "stopped.json"
+EXIT_STOPPED = 75  # sysexits.h EX_TEMPFAIL: stopped with a checkpoint, resume= continues (scripts/slurm_train.sbatch)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+class _Request:
+    """The first stop signal this process received (signal handlers are per process: one instance)."""
+
+    def __init__(self) -> None:
+        self.signal: signal.Signals | None = None
+
+    def install(self) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        sig = signal.Signals(signum)
+        if self.signal is not None and sig == signal.SIGINT:  # a second Ctrl-C: at once, no checkpoint
+            os._exit(128 + signum)
+        if self.signal is None:  # a repeated SIGTERM (SLURM signals both the agent and its workers) changes nothing
+            self.signal = sig
+
+    @property
+    def number(self) -> int:
+        """What this worker contributes to the agreement: the signal's number, 0 for none."""
+        return 0 if self.signal is None else int(self.signal)
+
+
+REQUEST = _Request()
+
+
+def install() -> None:
+    """Catch the stop signals in this worker (the main thread, before training)."""
+    REQUEST.install()
+
+
+@dataclass
+class Stop:
+    """Where the run stopped: ``RUN_DIR/stopped.json``."""
+
+    step: int
+    total_steps: int
+    signal: str
+    checkpoint: str
+
+    def write(self, run_dir: Path) -> None:
+        partial = run_dir / f"{STOP_FILE}.partial"
+        partial.write_text(json.dumps(asdict(self)) + "\n")
+        os.replace(partial, run_dir / STOP_FILE)
+
+    @classmethod
+    def read(cls, run_dir: Path) -> Stop | None:
+        try:
+            return cls(**json.loads((run_dir / STOP_FILE).read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+
+
+class TrainingStopped(Exception):
+    """Every worker stopped at ``stop.step`` on a signal, with a checkpoint there."""
+
+    def __init__(self, stop: Stop) -> None:
+        super().__init__(f"stopped by {stop.signal} at step {stop.step} of {stop.total_steps}")
+        self.stop = stop
