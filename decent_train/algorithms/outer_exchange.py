@@ -77,6 +77,7 @@ class OuterGroup:
             self.anchors = store.to_host([p.detach() for p in params]) if payload != "x" else []
         self.live_anchors = self.anchors  # the anchors the exchange and the outer step use (offload: on the device)
         self.home_copies: dict[Any, Any] = {}  # offload: the public copies in host memory, by group
+        self.pinned: list[Tensor] = []  # views of what the exchange in flight posted (OuterExchange._post)
 
     def compress(self, compressor: Compressor, groups: list[Edge]) -> None:
         """Send compressed differences to public copies, which start at this payload (equal on every worker)."""
@@ -311,10 +312,11 @@ class OuterExchange:
         for group in fragment.groups:
             group.acquire([CompressedGossip.key(edge) for edge in stages if edge.size > 1])  # offload: on the device
             group.fill()
+            group.pinned = []  # the previous exchange's works were waited on (and let go of) long ago
             value = group.flat
             for edge in stages[:overlapped]:
                 value = self._stage(group, edge, value, round_)
-            works.append(self.exchanger.start(group.buffers, stages[overlapped], value))
+            works.append(self._post(group, stages[overlapped], value))
             values.append(value)
         return InFlight(fragment, round_, values, works)
 
@@ -334,8 +336,23 @@ class OuterExchange:
         exchange.mixed = mixed
         return mixed
 
+    def _post(self, group: OuterGroup, edge: Edge, value: Tensor) -> list[Any]:
+        """Start a stage's exchange, holding a view of every tensor it posts until the next exchange starts.
+
+        gloo's worker thread keeps each work, and so its tensors, until it moves on, and may drop them after the wait
+        returned. These buffers, unlike the engine's (whose ``flat`` the parameters are views of), have no other
+        reference but their Python object; releasing such a tensor's last one on gloo's thread takes the GIL, and
+        during interpreter teardown that aborts a finished process ("terminate called without an active exception";
+        engine/comm.py, run_collective). A view keeps a second reference, dropped here on the main thread."""
+        buffers = group.buffers
+        posted = [value, buffers.flat, buffers.comm, buffers.group_received]
+        if buffers.compressed is not None:
+            posted += [buffers.compressed.outgoing, *buffers.compressed.incoming]
+        group.pinned += [t.view_as(t) for t in posted if t is not None and t.device.type == "cpu"]  # gloo's
+        return self.exchanger.start(buffers, edge, value)
+
     def _stage(self, group: OuterGroup, edge: Edge, value: Tensor, round_: int) -> Tensor:
-        works = self.exchanger.start(group.buffers, edge, value)
+        works = self._post(group, edge, value)
         self._wait(works, value, round_, edge)
         return self.exchanger.finish(group.buffers, edge, value)
 
