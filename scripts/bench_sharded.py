@@ -157,7 +157,7 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
     return moments, counters
 
 
-# What FSDP2 calls (same arguments): torch 2.14 has the *_single names; 2.11 has neither and calls these.
+# What FSDP2 calls (same arguments): the *_single names from torch 2.13 on, these before (which lacks the first).
 FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER = (
     ("all_gather_single", "reduce_scatter_single") if hasattr(dist, "all_gather_single")
     else ("all_gather_into_tensor", "reduce_scatter_tensor")

@@ -8,12 +8,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-# "===": exactly this version, the build that PyPI ships (CUDA 13, the torch of the GPU machines; its tests here run on
-# the CPU). "==" would also admit a local build such as 2.11.0+cpu from a find-links folder, which ranks higher, but
-# torchvision 0.26.0 is built against PyPI's build: its requirement, torch==2.11.0, admits the local one too, and its
-# operators fail to load against another build (seen with 2.13.0+cpu and torchvision 0.28.0).
-TORCH_VERSION=2.11.0        # pyproject.toml: torch>=2.11
-TORCHVISION_VERSION=0.26.0  # pyproject.toml: torchvision>=0.26
+# "===": exactly this version, the build that PyPI ships (CUDA 12.8; the tests here run on the CPU). "==" would also
+# admit a local build such as 2.10.0+cpu from a find-links folder, which ranks higher, but torchvision 0.25.0 is built
+# against PyPI's build: its requirement, torch==2.10.0, admits the local one too, and its operators fail to load
+# against another build (seen with 2.13.0+cpu and torchvision 0.28.0).
+TORCH_VERSION=2.10.0        # pyproject.toml: torch>=2.10
+TORCHVISION_VERSION=0.25.0  # pyproject.toml: torchvision>=0.25
 
 start=$(date +%s)
 if [ -n "${OLDEST_TORCH_VENV:-}" ]; then

@@ -40,8 +40,8 @@ SHAPES = [(5, 3), (4,), (2, 3, 2), (), (7,)]
 @pytest.fixture
 def ddp_optim(monkeypatch: pytest.MonkeyPatch) -> Any:
     """decent-dp's optim module, the baseline oracle (a test-only dependency). Its steps call
-    ``Optimizer._cuda_graph_capture_health_check``, which torch 2.11 lacks (2.12 on keep it as a deprecated alias of
-    ``_accelerator_graph_capture_health_check``): there the alias is lent for the test."""
+    ``Optimizer._cuda_graph_capture_health_check``, which torch 2.10 and 2.11 lack (2.12 on keep it as a deprecated
+    alias of ``_accelerator_graph_capture_health_check``): there the alias is lent for the test."""
     import decent_dp.optim
 
     optimizer = torch.optim.Optimizer

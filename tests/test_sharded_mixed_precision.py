@@ -142,7 +142,7 @@ def _sharded(rank: int, world_size: int, policy: str, kind: str) -> dict[str, An
     from decent_train.components.models import shard_units
 
     counts: dict[str, list[tuple[torch.dtype, int]]] = defaultdict(list)
-    # What FSDP2 calls (same arguments): torch 2.14 has the *_single names; 2.11 has neither and calls the others.
+    # What FSDP2 calls (same arguments): the *_single names from torch 2.13 on, the others before (which lacks the first).
     gather, scatter = (("all_gather_single", "reduce_scatter_single") if hasattr(dist, "all_gather_single")
                        else ("all_gather_into_tensor", "reduce_scatter_tensor"))
     setattr(dist, gather, _counting(counts, "all_gather", getattr(dist, gather), lambda out, inp, **_: [inp]))
