@@ -122,6 +122,22 @@ def test_workers_stop_too_when_every_checkpoint_is_unreadable(periodic: Path, tm
     assert all(torch.equal(same[0][k], same[1][k]) for k in same[1])
 
 
+@pytest.mark.slow
+def test_the_launcher_refuses_a_resume_with_nothing_readable_in_one_line(periodic: Path, tmp_path: Path) -> None:
+    """The whole command: exit status 2, one line on the console, no worker started, nothing trained (it used to
+    warn twice, train from step 0 and exit 0). The same preflight refuses a malformed npz the same way."""
+    source = _copy(periodic, tmp_path / "source")
+    _damage_all(source, "truncated and bit-flipped")
+    run_dir = tmp_path / "run"
+    proc = decent_train(f"resume={source}", "launch.nproc_per_node=2", "model=mlp", "model.hidden_sizes=[32]",
+                        f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"decent-train: error: resume={source}: no checkpoint can be read: step_00000006 [")
+    assert line.endswith(f"; to train from step 0 instead, add {FRESH_FLAG}") and proc.stdout == ""
+    assert not (run_dir / "logs").exists() and not (run_dir / "checkpoints").exists()
+
+
 # -- checkpoint.every=0 ----------------------------------------------------------------------------------------------
 def test_every_0_writes_only_the_final_checkpoint(periodic: Path, tmp_path: Path) -> None:
     _run(make_cfg(tmp_path, **SHORT, checkpoint={"every": 0}))
@@ -209,15 +225,3 @@ def test_npz_samples_the_model_cannot_take_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=rf"^{re.escape(str(root))}: train.npz's samples have shape \(1, 8, 8\), test.npz's "
                                          r"\(1, 4, 8\); expected one shape$"):
         preflight(make_cfg(Path("/unused"), dataset={"name": "npz", "root": str(root)}))
-
-
-@pytest.mark.slow
-def test_a_malformed_npz_is_refused_by_the_launcher_in_one_line(tmp_path: Path) -> None:
-    root = _npz(tmp_path / "data", {"x": X, "y": Y[:90]}, {"x": X, "y": Y})
-    run_dir = tmp_path / "run"
-    proc = decent_train("dataset=npz", f"dataset.root={root}", "launch.nproc_per_node=2", "model=mlp",
-                        f"hydra.run.dir={run_dir}", cwd=tmp_path)
-    assert proc.returncode == 2, proc.stderr
-    (line,) = proc.stderr.strip().splitlines()
-    assert line.startswith(f"decent-train: error: {root}/train.npz: x has 100 samples, y has 90 labels; ")
-    assert not (run_dir / "logs").exists()  # no worker started
