@@ -9,11 +9,14 @@ it is the checkpoint an otherwise identical run with periodic checkpoints writes
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import subprocess
 from pathlib import Path
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -180,6 +183,39 @@ def test_an_existing_run_dir_that_refuses_files_is_refused(tmp_path: Path) -> No
     with pytest.raises(ValueError, match=rf"^hydra.run.dir: cannot write {re.escape(str(folder))} \(.+\); give hydra.run.dir=<a "
                                          r"directory you can write to>$"):
         preflight(make_cfg(folder))
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path) -> Iterator[Path]:
+    """A directory on a 64 KiB tmpfs filled to the last byte (mounting needs root and the capability; else skipped)."""
+    mount = tmp_path / "full"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        with open(mount / "filler", "wb", buffering=0) as filler, contextlib.suppress(OSError):
+            while filler.write(bytes(4096)):
+                pass
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_run_dir_on_a_full_disk_is_refused(full_disk: Path) -> None:
+    with pytest.raises(ValueError, match=rf"^hydra.run.dir: cannot write {re.escape(str(full_disk))} \(No space left "
+                                         r"on device\); give hydra.run.dir=<a directory you can write to>$"):
+        preflight(make_cfg(full_disk))
+    assert [p.name for p in full_disk.iterdir()] == ["filler"]  # the probe is gone
+
+
+@pytest.mark.slow
+def test_the_launcher_refuses_a_run_dir_on_a_full_disk_in_one_line(full_disk: Path) -> None:
+    """Hydra's own write (.hydra/) fails first, naming no file: the line names the directory."""
+    proc = decent_train(f"hydra.run.dir={full_disk}/run", "launch.nproc_per_node=2", "model=mlp", cwd=full_disk.parent)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line == (f"decent-train: error: hydra.run.dir: cannot create or write {full_disk}/run/.hydra (No space left "
+                    "on device); give hydra.run.dir=<a directory you can write to>")
 
 
 # -- a malformed npz -------------------------------------------------------------------------------------------------

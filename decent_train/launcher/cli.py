@@ -265,11 +265,22 @@ def _raised_by_hydra_output(error: OSError) -> bool:
     return bool(frames) and frames[-1].name in ("run_job", "_save_config", "launch", "sweep")
 
 
+def _hydra_output_dir(error: OSError) -> Path | None:
+    """The directory Hydra was making or writing when ``error`` (a full disk names no file) was raised: its frames'
+    ``output_dir`` or ``sweep_dir``, the innermost."""
+    found, tb = None, error.__traceback__
+    while tb is not None:
+        names = tb.tb_frame.f_locals
+        found = names.get("output_dir") or names.get("sweep_dir") or found
+        tb = tb.tb_next
+    return Path(str(found)) if found is not None else None
+
+
 def unwritable_run_dir(error: OSError) -> str:
     """One line for a run directory that cannot be made or written: which key sets it, the path, why (an ancestor
     that is a file, named), and what is valid."""
     key = "hydra.sweep.dir" if any(a in ("-m", "--multirun") for a in sys.argv[1:]) else "hydra.run.dir"
-    path = Path(str(error.filename)) if error.filename else None
+    path = Path(str(error.filename)) if error.filename else _hydra_output_dir(error)
     why = error.strerror or str(error)
     if path is not None:
         blocking = next((p for p in [path, *path.parents] if p.exists()), None)

@@ -52,10 +52,11 @@ def check_run_dir(cfg: TrainConfig) -> None:
     probe = run_dir / f".write_check.{os.getpid()}"
     try:
         probe.write_bytes(bytes(4096))
-        probe.unlink()
     except OSError as error:
         raise ValueError(f"hydra.run.dir: cannot write {run_dir} ({error.strerror or error}); give "
                          "hydra.run.dir=<a directory you can write to>") from None
+    finally:
+        probe.unlink(missing_ok=True)  # a full disk may have let it be made, empty
 
 
 def check_model_input(cfg: TrainConfig) -> None:
