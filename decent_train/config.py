@@ -355,9 +355,14 @@ class TrainConfig:
             )
 
     def _check_engine_keys(self, traits: AlgorithmTraits) -> None:
-        """``bucket_size_mb`` and ``message_size_mb`` lay out the engine's buckets and gossip messages (and DDP's
-        buckets): the fronts (local steps, sharded replicas) have neither, so a value set there is refused rather
-        than ignored."""
+        """Keys of the engine that another algorithm would ignore are refused: ``global_avg_every`` (the engine's
+        global average), ``bucket_size_mb`` and ``message_size_mb`` (its buckets and gossip messages, and DDP's
+        buckets: the fronts of local steps and sharded replicas have neither)."""
+        if self.global_avg_every and not (traits.takes_phases or traits.local_steps):  # local steps refuse it first
+            raise ValueError(
+                f"global_avg_every={self.global_avg_every} averages the engine's gossiping workers; algorithm="
+                f"{self.algorithm.name} does not gossip (its workers' models stay equal): leave global_avg_every=0"
+            )
         front = ("parallel.shard", self.parallel.shard) if self.parallel.shard > 1 else (
             ("algorithm", self.algorithm.name) if traits.local_steps else None)
         if front is None:

@@ -169,6 +169,8 @@ def test_every_option_composes_and_checks(group: str, option: str, data_dirs: di
         ({"parallel": {"shard": 2}, "message_size_mb": 1.0}, "message_size_mb=1.0 with parallel.shard=2"),
         ({"parallel": {"shard": 2}, "algorithm": "diloco", "bucket_size_mb": 100.0},
          "bucket_size_mb=100.0 with parallel.shard=2"),
+        ({"algorithm": "allreduce", "global_avg_every": 5}, "global_avg_every=5 averages the engine's gossiping "
+         "workers; algorithm=allreduce does not gossip"),
         ({"fault_tolerance": {"name": "live"}, "topology": {"name": "hierarchical", "local_world_size": 2}},
          "its rounds have two stages"),
         # parallel.shard: what sharded gossip runs with
