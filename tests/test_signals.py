@@ -123,7 +123,9 @@ def check_stopped(run: Launch, sig: signal.Signals, steps: set[int]) -> int:
     assert run.lines_after <= 3, f"{run.lines_after} lines after the signal\n{run}"
     assert "Traceback" not in run.console and "Error" not in run.console, f"{run}"
     stop = run.stop
-    assert stop["signal"] == sig.name and stop["step"] in steps and stop["step"] > run.sent_at, f"{stop}\n{run}"
+    # The launcher passes every stop signal on as SIGUSR1 (the workers' SIGTERM is torchrun's agent's).
+    assert stop["signal"] == signal.SIGUSR1.name and stop["step"] in steps and stop["step"] > run.sent_at, \
+        f"{stop}\n{run}"
     newest = complete_checkpoints(run.run_dir)[0]
     assert newest.step == stop["step"] and sorted(p.name for p in newest.path.glob("rank*.pt")) == [
         f"rank{r}.pt" for r in range(4)], f"{newest}\n{run}"

@@ -160,12 +160,12 @@ def _train(cfg: TrainConfig, run_dir: Path, config_path: Path) -> float:
     else:
         (run_dir / STOP_FILE).unlink(missing_ok=True)  # an earlier launch's, into the same directory
         try:  # a signal: the workers stop at a step they agree on, with a checkpoint (training/stop.py)
-            launch_workers(cfg.launch, config_path)
+            received = launch_workers(cfg.launch, config_path)
         except Interrupted as interrupted:  # a second Ctrl-C
             _exit_stopped(cfg, run_dir, interrupted.sig)
         stop = Stop.read(run_dir)
-        if stop is not None:
-            _exit_stopped(cfg, run_dir, signal.Signals[stop.signal])
+        if stop is not None:  # what this launcher received, else what a worker did (a user's kill, another node's)
+            _exit_stopped(cfg, run_dir, received or signal.Signals[stop.signal])
     wall = time.perf_counter() - start
     result_path = run_dir / RESULT_FILE
     result = json.loads(result_path.read_text())  # rank 0 wrote it before every worker left (a barrier)
@@ -200,7 +200,7 @@ def _exit_stopped(cfg: TrainConfig, run_dir: Path, sig: signal.Signals) -> None:
         raise SystemExit(128 + int(sig))
     kept_overrides = [o for o in cfg.run.overrides if not o.lstrip("+~").startswith(("hydra.", "resume="))]
     again = format_command(["decent-train", f"resume={run_dir}", *kept_overrides])
-    print(f"decent-train: stopped by {stop.signal} at step {stop.step} of {stop.total_steps} with a checkpoint "
+    print(f"decent-train: stopped by {sig.name} at step {stop.step} of {stop.total_steps} with a checkpoint "
           f"({stop.checkpoint}); to go on: {again}", file=sys.stderr, flush=True)
     raise SystemExit(EXIT_STOPPED)
 

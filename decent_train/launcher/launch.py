@@ -20,7 +20,7 @@ from torch.distributed.launcher.api import LaunchConfig as ElasticLaunchConfig
 from torch.distributed.launcher.api import elastic_launch
 
 from decent_train.config import TORCH_KEEP_ALIVE_S, TORCH_LAST_CALL_S, LaunchConfig
-from decent_train.training.stop import STOP_SIGNALS
+from decent_train.training.stop import AGENT_PID_ENV, FORWARDED, STOP_SIGNALS
 
 WORKER_MODULE = "decent_train.worker"
 # torch 2.15 shares the rank-0 agent's TCP store with the workers and caches its address across rendezvous rounds.
@@ -29,7 +29,6 @@ WORKER_MODULE = "decent_train.worker"
 # address (read in dynamic_rendezvous.py). Unshared, every round publishes a fresh address; the workers' rank 0 hosts
 # their store.
 ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-AGENT_PID_ENV = "DECENT_TRAIN_AGENT_PID"
 
 
 class WorkerFailure(RuntimeError):
@@ -92,13 +91,14 @@ class Interrupted(Exception):
         self.sig = sig
 
 
-def launch_workers(cfg: LaunchConfig, config_path: Path) -> None:
-    """Run the workers on this node until they finish; raise :class:`WorkerFailure` if one fails.
+def launch_workers(cfg: LaunchConfig, config_path: Path) -> signal.Signals | None:
+    """Run the workers on this node until they finish; raise :class:`WorkerFailure` if one fails. Returns the stop
+    signal this launcher received, if any.
 
-    SIGINT, SIGTERM and SIGUSR1 go to the workers, which stop at a step they agree on with a checkpoint and exit 0
-    (training/stop.py); a second SIGINT kills them and raises :class:`Interrupted`. The launcher forwards these
-    itself: torchrun's agent would, but after a first signal it waits for the workers in a ``finally`` as well, so a
-    second Ctrl-C would wait again instead of stopping.
+    SIGINT, SIGTERM and SIGUSR1 go to the workers as SIGUSR1 (their SIGTERM is the agent's, to stop them at once),
+    and they stop at a step they agree on with a checkpoint and exit 0 (training/stop.py); a second SIGINT kills them
+    and raises :class:`Interrupted`. The launcher forwards these itself: torchrun's agent would, but after a first
+    signal it waits for the workers in a ``finally`` as well, so a second Ctrl-C would wait again instead of stopping.
     """
     elastic = ElasticLaunchConfig(
         min_nodes=cfg.min_nodes,
@@ -121,6 +121,7 @@ def launch_workers(cfg: LaunchConfig, config_path: Path) -> None:
     with _environment(OMP_NUM_THREADS=str(threads), **(ELASTIC_ENV if cfg.elastic else {})):
         try:
             elastic_launch(elastic, sys.executable)("-u", "-m", WORKER_MODULE, str(config_path))
+            return forward.received
         except ChildFailedError as error:
             if forward.killed is not None:
                 raise Interrupted(forward.killed) from None
@@ -146,7 +147,7 @@ class _Forward:
         self.received = self.received or sig
         for pid in _workers():
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL if again else sig)
+                os.kill(pid, signal.SIGKILL if again else FORWARDED)
         if again:
             self.killed = sig
             raise SignalException(f"a second {sig.name}", sigval=sig)

@@ -8,6 +8,8 @@ saw no signal learns of its peers' there. The stop comes at most ``logger.log_ev
 workers may see it at different steps: torchrun's agent forwards it to one worker after another, and on several
 nodes each agent receives it at its own time). A second SIGINT ends the worker at once, without a checkpoint.
 
+decent-train's launcher passes SIGINT, SIGTERM and SIGUSR1 on to its workers as SIGUSR1 (see :func:`install`).
+
 After the checkpoint, rank 0 writes ``RUN_DIR/stopped.json`` (the step, the signal, the checkpoint) and every worker
 exits 0, so that an agent that saw no signal (another node's) does not take the stop for a failure and restart
 them; the launcher reads the file and exits with :data:`EXIT_STOPPED`.
@@ -25,6 +27,8 @@ from types import FrameType
 STOP_FILE = "stopped.json"
 EXIT_STOPPED = 75  # sysexits.h EX_TEMPFAIL: stopped with a checkpoint, resume= continues (scripts/slurm_train.sbatch)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+FORWARDED = signal.SIGUSR1  # what decent-train's launcher passes on to its workers, whichever of these it received
+AGENT_PID_ENV = "DECENT_TRAIN_AGENT_PID"  # set by decent-train's launcher for its workers (runtime.die_with_agent)
 
 
 class _Request:
@@ -33,8 +37,8 @@ class _Request:
     def __init__(self) -> None:
         self.signal: signal.Signals | None = None
 
-    def install(self) -> None:
-        for sig in STOP_SIGNALS:
+    def install(self, signals: tuple[signal.Signals, ...]) -> None:
+        for sig in signals:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
@@ -54,8 +58,14 @@ REQUEST = _Request()
 
 
 def install() -> None:
-    """Catch the stop signals in this worker (the main thread, before training)."""
-    REQUEST.install()
+    """Catch the stop signals in this worker (the main thread, before training).
+
+    Under decent-train's launcher only :data:`FORWARDED` (and SIGINT): torchrun's agent stops the workers with
+    SIGTERM when one failed, to restart them or end the run, and they must go at once, not finish a step with a peer
+    that is gone. Under a plain torchrun (scripts/slurm_train.sbatch) all of :data:`STOP_SIGNALS`: SLURM may send
+    SIGTERM to every process of the job, the workers too; there an agent's restart waits for the others until their
+    collective with the lost peer fails (or torchrun's ``--shutdown-timeout``)."""
+    REQUEST.install((signal.SIGINT, FORWARDED) if AGENT_PID_ENV in os.environ else STOP_SIGNALS)
 
 
 @dataclass
