@@ -3,7 +3,7 @@
 ``check_config`` checks values and their combinations (cheap, and again in every worker); what needs the disk, the
 user's code or every world size an elastic job may run at is here, so that a mistake still ends in one line with
 exit status 2 instead of a failed worker: the run directory takes files, the dataset's files (npz: their arrays'
-shapes, labels and values, and that the model takes their samples), the partition against each world size,
+shapes and labels, and that the model takes their samples), the partition against each world size,
 importing ``topology.module``, building every topology the run gossips over, ``resume``'s checkpoints (every rank's
 file against its manifest's checksum), and the engine's environment variables (``DECENT_TRAIN_HOST_MALLOC``,
 ``DECENT_TRAIN_COMPILED_INT8``).
@@ -29,7 +29,6 @@ def preflight(cfg: TrainConfig) -> None:
     resolved (the launcher does that first) for the checks over world sizes."""
     check_run_dir(cfg)
     cfg.dataset.check_files()
-    cfg.dataset.check_values()
     check_model_input(cfg)
     host_malloc_choice(), compiled_int8_choice()  # the engine's environment variables
     if cfg.launch.nproc_per_node is not None:

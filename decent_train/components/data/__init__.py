@@ -38,8 +38,6 @@ class DatasetKind:
     classes: Optional[Callable[[DatasetConfig], int]] = None  # without loading the data; None: labels not in memory
     images: bool = False  # samples are images (npz: usually; its shape is checked when loaded)
     download: Optional[Callable[[DatasetConfig], None]] = None  # dataset.download=true: in the launcher, once
-    # The preflight's only (it reads the data once): values a model cannot train on, such as NaN; None: nothing.
-    check_values: Optional[Callable[[DatasetConfig], None]] = None
     # One sample's shape from the files, without loading them (the preflight builds the model for it); None: the
     # config fixes it or the model checks it when built in the worker.
     sample_shape: Optional[Callable[[DatasetConfig], tuple[int, ...]]] = None
@@ -99,7 +97,6 @@ DATASETS: dict[str, DatasetKind] = {
         layout=arrays.NPZ_LAYOUT,
         classes=lambda cfg: arrays.npz_classes(cfg.root_path()),
         images=True,
-        check_values=lambda cfg: arrays.check_npz_values(cfg.root_path()),
         sample_shape=lambda cfg: arrays.check_npz(cfg.root_path()),
     ),
     "cifar10": _cifar("cifar10"),
@@ -197,12 +194,6 @@ class DatasetConfig:
         launcher's preflight runs it before any worker starts; ``build_datasets`` runs it again in each worker."""
         if self.kind.check_files is not None:
             self.kind.check_files(self)
-
-    def check_values(self) -> None:
-        """The data holds nothing a model cannot train on (npz: NaN or infinite samples). Reads the data once: the
-        launcher's preflight runs it, the workers do not."""
-        if self.kind.check_values is not None:
-            self.kind.check_values(self)
 
     def sharding(self) -> Sharding:
         return Sharding(self.partition, self.split_seed, self.alpha, self.classes_per_worker)

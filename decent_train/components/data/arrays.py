@@ -4,7 +4,6 @@ real data, no download), ``synthetic`` (Gaussian class clusters of any size and 
 
 from __future__ import annotations
 
-import math
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -165,7 +164,7 @@ def missing_npz(root: Path) -> list[str]:
 
 
 def _read_header(file: IO[bytes]) -> tuple[tuple[int, ...], bool, np.dtype]:
-    """An .npy file's shape, Fortran order and dtype; ``file`` is left at the start of the data."""
+    """An .npy file's shape, Fortran order and dtype (its header only)."""
     version = np.lib.format.read_magic(file)
     read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
     shape, fortran, dtype = read(file)
@@ -216,27 +215,6 @@ def check_npz(root: Path) -> tuple[int, ...]:
         raise ValueError(f"{root}: train.npz's samples have shape {shapes[0]}, test.npz's {shapes[1]}; expected one "
                          "shape")
     return shapes[0]
-
-
-def check_npz_values(root: Path, chunk_bytes: int = 1 << 26) -> None:
-    """Every floating-point sample value in ``root``'s files is finite (a NaN becomes a NaN loss at the step that
-    first meets it). Streams x's data once, ``chunk_bytes`` at a time: the preflight's, not the worker's, cost."""
-    for name in NPZ_FILES:
-        path = root / name
-        with zipfile.ZipFile(path) as archive, archive.open("x.npy") as file:
-            shape, fortran, dtype = _read_header(file)
-            if dtype.kind != "f":
-                continue
-            total, count = math.prod(shape), 0
-            while count < total:
-                values = np.frombuffer(file.read(max(1, chunk_bytes // dtype.itemsize) * dtype.itemsize), dtype=dtype)
-                if len(values) == 0:
-                    raise ValueError(f"{path}: x's data ends early; expected {shape}")
-                bad = np.flatnonzero(~np.isfinite(values))
-                if len(bad):
-                    where = "" if fortran else f" in sample {(count + int(bad[0])) // math.prod(shape[1:])}"
-                    raise ValueError(f"{path}: x holds {values[bad[0]]}{where}; expected finite values")
-                count += len(values)
 
 
 def _load_labels(path: Path) -> np.ndarray:
