@@ -46,18 +46,43 @@ def front_script(front: str, directory: Path) -> Path:
     return path
 
 
-def launch(script: Path, ranks: int, log: Path, timeout_s: float) -> tuple[int, str]:
+def launch(script: Path, ranks: int, log: Path, timeout_s: float, starve: bool) -> tuple[int, str]:
     """One torchrun launch: its exit status, and the end of its output when it failed."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(script)]
     with log.open("w") as out:
-        try:
-            code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout_s,
-                                  cwd=log.parent).returncode
-        except subprocess.TimeoutExpired:
-            code = -1
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=log.parent)
+        deadline, starved = time.monotonic() + timeout_s, set()
+        while proc.poll() is None and time.monotonic() < deadline:
+            if starve:
+                _starve(proc.pid, starved)
+            time.sleep(0.02)
+        if proc.poll() is None:
+            proc.kill()
+        code = proc.wait() if time.monotonic() < deadline else -1
     tail = "" if code == 0 else "\n".join(log.read_text(errors="replace").splitlines()[-15:])
     return code, tail
+
+
+def _starve(agent: int, done: set[tuple[int, int]]) -> None:
+    """What a loaded machine does to gloo at the worst moment (as tests/test_clean_exit.py does): each worker of
+    ``agent`` pinned to one CPU, and gloo's worker threads (``pt_gloo_runloop``) given SCHED_IDLE."""
+    cpus = sorted(os.sched_getaffinity(0))
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) != agent:
+                continue
+            pid = int(entry.name)
+            if (pid, 0) not in done:
+                os.sched_setaffinity(pid, {cpus[pid % len(cpus)]})
+                done.add((pid, 0))
+            for tid in map(int, os.listdir(entry / "task")):
+                gloo = (entry / "task" / str(tid) / "comm").read_text().strip() == "pt_gloo_runloop"
+                if gloo and (pid, tid) not in done:
+                    os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                    done.add((pid, tid))
+        except OSError:  # it exited meanwhile
+            continue
 
 
 def main() -> int:
@@ -68,6 +93,8 @@ def main() -> int:
     parser.add_argument("--only", choices=[*FRONTS, "engine"], action="append",
                         help="these scripts only (default: localsgd and engine)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one launch may take")
+    parser.add_argument("--starve", action="store_true",
+                        help="pin each worker to a CPU and give gloo's threads SCHED_IDLE (tests/test_clean_exit.py)")
     args = parser.parse_args()
     chosen = args.only or ["localsgd", "engine"]
     with tempfile.TemporaryDirectory(prefix="repeat_launches_") as tmp:
@@ -79,7 +106,8 @@ def main() -> int:
         failures = []
         start = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
-            futures = {pool.submit(launch, scripts[name], args.ranks, directory / f"{name}_{i}.log", args.timeout):
+            futures = {pool.submit(launch, scripts[name], args.ranks, directory / f"{name}_{i}.log", args.timeout,
+                                   args.starve):
                        (name, i) for name, i in jobs}
             for future in concurrent.futures.as_completed(futures):
                 name, i = futures[future]
@@ -92,7 +120,8 @@ def main() -> int:
     for failure in failures:
         print(failure)
     summary = ", ".join(f"{name}: {passed[name]}/{args.launches} exit 0" for name in chosen)
-    print(f"{summary} ({args.parallel} at a time, {args.ranks} ranks each, {time.monotonic() - start:.0f} s)")
+    starved = ", gloo threads starved" if args.starve else ""
+    print(f"{summary} ({args.parallel} at a time, {args.ranks} ranks each{starved}, {time.monotonic() - start:.0f} s)")
     return 1 if failures else 0
 
 
