@@ -260,9 +260,12 @@ def describe_error(error: BaseException) -> str | None:
 
 def _raised_by_hydra_output(error: OSError) -> bool:
     """Whether Hydra raised ``error`` making the run (or sweep) directory or writing its ``.hydra/`` files: that
-    happens before ``_run_job``, so the preflight cannot check it first; any other OSError is not sorted here."""
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if f"{os.sep}hydra{os.sep}" in f.filename]
-    return bool(frames) and frames[-1].name in ("run_job", "_save_config", "launch", "sweep")
+    happens before ``_run_job``, so the preflight cannot check it first; any other OSError is not sorted here. The
+    innermost frame of Hydra's or ours must be Hydra's: one raised in our job and re-raised by Hydra is not."""
+    ours = (f"{os.sep}hydra{os.sep}", f"{os.sep}decent_train{os.sep}")
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if any(p in f.filename for p in ours)]
+    return bool(frames) and ours[0] in frames[-1].filename and frames[-1].name in (
+        "run_job", "_save_config", "launch", "sweep")
 
 
 def _hydra_output_dir(error: OSError) -> Path | None:
