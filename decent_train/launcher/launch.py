@@ -84,7 +84,8 @@ def slurm_rendezvous() -> tuple[str, str]:
 
 
 class Interrupted(Exception):
-    """A second Ctrl-C while the workers were stopping: they were killed at once."""
+    """The workers ended on a signal without stopping at a step: a second Ctrl-C killed them, or the first came
+    before they could take it (starting up)."""
 
     def __init__(self, sig: signal.Signals) -> None:
         super().__init__(f"stopped by {sig.name}")
@@ -123,8 +124,8 @@ def launch_workers(cfg: LaunchConfig, config_path: Path) -> signal.Signals | Non
             elastic_launch(elastic, sys.executable)("-u", "-m", WORKER_MODULE, str(config_path))
             return forward.received
         except ChildFailedError as error:
-            if forward.killed is not None:
-                raise Interrupted(forward.killed) from None
+            if forward.received is not None:  # killed by a second Ctrl-C, or by the signal before its handler was set
+                raise Interrupted(forward.killed or forward.received) from None
             raise _failure(error) from None
         except SignalException as error:
             raise Interrupted(forward.killed or error.sigval) from None
