@@ -261,7 +261,7 @@ def _train(cell: Cell, tmp_path: Path) -> None:
     assert max(trained) == steps, (cell.labels, trained)
 
 
-VALUES_SAMPLE = 5  # cells that cover every accepted value but compile=True (10-30 s each on two CPU workers)
+VALUES_SAMPLE = 6  # cells that cover every accepted value but compile=True (10-30 s each on two CPU workers)
 FAST_SAMPLE = 2  # of which the default suite trains these first ones; the rest, and every pair, are slow
 
 
