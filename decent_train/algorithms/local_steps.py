@@ -302,6 +302,7 @@ class DiLoCo:
             self._handle = None
         if kind is None and self._in_flight is not None:
             self.exchange.finish(self._in_flight)  # nothing left in flight when the process group goes
+        self.exchange.linger(self.fragments)  # what gloo's thread may still hold outlives this front
 
     def _local_step(self) -> int:
         """Inner steps into the current fragment's period, 1..P (0 before the first)."""

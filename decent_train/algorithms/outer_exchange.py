@@ -48,6 +48,9 @@ def payload_kind(anchored: bool, topology: Topology, compressed: bool) -> str:
     return "delta" if everyone and not compressed else "x+anchor"
 
 
+_LINGERING: dict[int, list[Tensor]] = {}  # OuterExchange.linger
+
+
 class OuterGroup:
     """A fragment's parameters of one dtype and device: their anchors and the exchange buffer of the payload.
     ``params`` are what this rank holds of ``owners``, the model's parameters: the parameters themselves, or their
@@ -350,6 +353,15 @@ class OuterExchange:
             posted += [buffers.compressed.outgoing, *buffers.compressed.incoming]
         group.pinned += [t.view_as(t) for t in posted if t is not None and t.device.type == "cpu"]  # gloo's
         return self.exchanger.start(buffers, edge, value)
+
+    @staticmethod
+    def linger(fragments: list[Fragment]) -> None:
+        """Keep the views :meth:`_post` holds until the interpreter ends, past this exchange's front (a script's
+        ``with LocalSGD(...):`` drops the front as its block ends, while gloo's thread may still hold the last
+        exchange's works): one list per group, replaced each time its front's block ends."""
+        for fragment in fragments:
+            for group in fragment.groups:
+                _LINGERING[id(group)] = list(group.pinned)
 
     def _stage(self, group: OuterGroup, edge: Edge, value: Tensor, round_: int) -> Tensor:
         works = self._post(group, edge, value)
