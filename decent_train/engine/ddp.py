@@ -303,9 +303,13 @@ class DecentralizedDataParallel(nn.Module):
         return output
 
     def _check_not_stepped(self, forward_step: int) -> None:
-        """Backward reaches a forward's outputs first: refuse a second backward after that forward's step."""
+        """Backward reaches a forward's outputs first: refuse a second backward after that forward's step, and end
+        the step at the end of backward even if no parameter gets a gradient (its peers would wait for its exchange)."""
         if self._progress.step != forward_step and not self._accumulating:
             raise RuntimeError(_SECOND_BACKWARD)
+        if self._armed and not self._accumulating and not self._backward_started:
+            self._backward_started = True
+            Variable._execution_engine.queue_callback(self._finish_backward)
 
     def set_accumulate_grad(self, enable: bool = True) -> None:
         """While enabled, backward only accumulates gradients: no step, no exchange (for micro-batches)."""
@@ -546,8 +550,7 @@ class DecentralizedDataParallel(nn.Module):
     def lr_schedulers(self) -> list[LRScheduler | None]:
         return [b.scheduler for b in self._buckets]
 
-    _optims = optimizers  # decent-dp's private names, used by its users' checkpoint code
-    _lr_schedulers = lr_schedulers
+    _optims, _lr_schedulers = optimizers, lr_schedulers  # decent-dp's private names (its users' checkpoint code)
 
     @property
     def bucket_bytes(self) -> list[int]:
