@@ -195,8 +195,8 @@ def _exit_stopped(cfg: TrainConfig, run_dir: Path, sig: signal.Signals) -> None:
     if stop is None:
         kept = complete_checkpoints(run_dir)
         since = f"the newest checkpoint is {kept[0].path}" if kept else "no checkpoint was written"
-        print(f"decent-train: stopped by {sig.name} at once, without a checkpoint of its own ({since})", file=sys.stderr,
-              flush=True)
+        print(f"decent-train: stopped by {sig.name} at once, without a checkpoint of its own ({since})",
+              file=sys.stderr, flush=True)
         raise SystemExit(128 + int(sig))
     kept_overrides = [o for o in cfg.run.overrides if not o.lstrip("+~").startswith(("hydra.", "resume="))]
     again = format_command(["decent-train", f"resume={run_dir}", *kept_overrides])
