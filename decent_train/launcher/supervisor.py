@@ -35,6 +35,10 @@ from decent_train.launcher.launch import AGENT_PID_ENV, WORKER_MODULE, WorkerFai
 from decent_train.training.live import MEMBER_ENV, STORE_ENV, Keys, Plan
 
 POLL_S = 0.02
+# A founder must say hello within HELLO_K x the time the first founder took (they do the same work), at least
+# HELLO_FLOOR_S, at most pg_timeout_s / 2 (before any founder has: pg_timeout_s / 2).
+HELLO_K = 3.0
+HELLO_FLOOR_S = 30.0
 WORKERS_FILE = "workers.json"  # member id -> pid of every worker process started
 
 
@@ -44,6 +48,7 @@ class _Worker:
     process: subprocess.Popen[bytes]
     last_beat: float = 0.0
     beats: int = 0
+    started: float = field(default_factory=time.monotonic)
     said_hello: bool = False
 
 
@@ -124,24 +129,64 @@ class Supervisor:
                 time.sleep(POLL_S)
             for worker in self.workers.values():  # the members exit; a replacement that never joined is stopped
                 if worker.id in self.finished:
-                    worker.process.wait()
+                    self._wait_for_exit(worker)
         finally:
             self._stop_all()
         return self._summary()
 
+    def _wait_for_exit(self, worker: _Worker) -> None:
+        """A member that finished training exits (the end's barrier, tearing gloo down): within comm_timeout_s and
+        detect_s, or it is killed (its result is written: the run is not failed for it)."""
+        bound = self.cfg.comm_timeout_s + self.ft.detect_s
+        try:
+            worker.process.wait(timeout=bound)
+        except subprocess.TimeoutExpired:
+            worker.process.kill()
+            worker.process.wait()
+            logger.warning(f"member {worker.id} finished training but did not exit within {bound:g} s "
+                           "(comm_timeout_s + fault_tolerance.detect_s): killed")
+
     def _wait_for_founders(self) -> None:
-        founders = list(self.workers)
+        """Every founder's hello. A founder that exits, or does not say hello within the bound (``_hello_bound``),
+        stops the launch with one line: no plan exists yet to go on without it. Not detect_s: building the data and
+        the model can hold the GIL for seconds, and the heartbeat thread with it."""
+        founders, start, first = list(self.workers), time.monotonic(), None
         while not all(self.store.check([Keys.hello(m)]) for m in founders):
+            now = time.monotonic()
+            if first is None and any(self.store.check([Keys.hello(m)]) for m in founders):
+                first = now - start
+            bound = self._hello_bound(first)
             for worker in self.workers.values():
                 code = worker.process.poll()
                 if code is not None:
                     raise WorkerFailure(f"worker {worker.id} failed before training started ({_exit(code)})")
+                if self.store.check([Keys.hello(worker.id)]):
+                    continue
+                if now - start > bound:
+                    worker.process.kill()
+                    raise WorkerFailure(
+                        f"worker {worker.id} hung before training started: no hello within {bound:.0f} s "
+                        f"({HELLO_K:g} x the first founder's {first or 0:.1f} s, at least {HELLO_FLOOR_S:g} s, at "
+                        "most pg_timeout_s / 2); stopped"
+                    )
             time.sleep(POLL_S)
         now = time.monotonic()
         for member in founders:
             self.workers[member].said_hello, self.workers[member].last_beat = True, now
         self._publish(founders)
         logger.info(f"live membership: {len(founders)} workers, store 127.0.0.1:{self.store.port}")
+
+    def _hello_bound(self, first: float | None) -> float:
+        ceiling = self.cfg.pg_timeout_s / 2
+        return ceiling if first is None else min(ceiling, max(HELLO_FLOOR_S, HELLO_K * first))
+
+    def _silent(self, worker: _Worker, now: float) -> str | None:
+        """Why ``worker`` counts as hung (its heartbeat, once it has started, silent for detect_s), or None."""
+        beats = self.store.add(Keys.beat(worker.id), 0)
+        if beats != worker.beats or worker.beats == 0:
+            worker.beats, worker.last_beat = beats, now
+            return None
+        return f"no answer for {self.ft.detect_s:g} s" if now - worker.last_beat > self.ft.detect_s else None
 
     def _step(self) -> bool:
         """One look at the workers; True when the run is over."""
@@ -204,13 +249,13 @@ class Supervisor:
                 continue
             if not worker.said_hello:
                 continue
-            beats = self.store.add(Keys.beat(worker.id), 0)
-            if beats != worker.beats:
-                worker.beats, worker.last_beat = beats, now
-            elif now - worker.last_beat > self.ft.detect_s:
+            why = self._silent(worker, now)
+            if why is None and self.store.check([Keys.stuck(worker.id)]):  # a member waited past a bound for it
+                why = f"stuck: {self.store.get(Keys.stuck(worker.id)).decode()}"
+            if why is not None:
                 worker.process.kill()  # a hung worker must not come back into the run
                 worker.process.wait()
-                lost[worker.id] = f"no answer for {self.ft.detect_s:g} s"
+                lost[worker.id] = why
         return {m: why for m, why in lost.items() if m in plan.members or self.workers[m].said_hello}
 
     def _plan_without(self, plan: Plan, lost: dict[int, str]) -> None:

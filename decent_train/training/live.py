@@ -10,13 +10,17 @@ at the same step. The same barrier (a fence) comes before each collective that f
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
 import os
+import signal
+import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -25,11 +29,34 @@ import torch.distributed as dist
 from loguru import logger
 
 from decent_train.engine import reconfigure
+from decent_train.engine.comm import ExchangeError
 
 STORE_ENV = "DECENT_TRAIN_STORE"  # host:port of the coordinator's store
 MEMBER_ENV = "DECENT_TRAIN_MEMBER_ID"  # this worker's stable id (never reused in a run)
 HEARTBEAT_S = 0.1  # how often a worker beats and looks for a newer plan
-POLL_S = 0.002
+POLL_S = 0.002  # the first pause between two looks at the store while waiting ...
+POLL_MAX_S = 0.05  # ... doubling up to this (a long wait costs the store 20 requests a second per member)
+# The record step's collectives (FAULT_TOLERANCE.md, "Every wait has a bound"): RECORD_K x the median step time
+# measured so far, at least RECORD_FLOOR_S, at most comm_timeout_s (also before STEP_SAMPLES steps are measured).
+RECORD_K = 20
+RECORD_FLOOR_S = 10.0
+STEP_SAMPLES = 5
+STEP_WINDOW = 101  # the steps the median is taken over (the latest)
+PAUSE_ENV = "DECENT_TRAIN_TEST_STOP_AFTER_BARRIER"  # tests: "member:step", that member SIGSTOPs itself there
+
+
+class WaitTimeout(RuntimeError):
+    """A wait of the live protocol passed its bound (named in the message): the worker exits, the coordinator
+    declares it lost."""
+
+
+def _backoff() -> Iterator[None]:
+    """Pauses between two looks at the store: POLL_S, doubling up to POLL_MAX_S."""
+    pause = POLL_S
+    while True:
+        yield
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_MAX_S)
 
 
 class Keys:
@@ -64,6 +91,10 @@ class Keys:
     @staticmethod
     def fence(epoch: int, count: int) -> str:
         return f"fence/{epoch}/{count}"
+
+    @staticmethod
+    def stuck(member: int) -> str:
+        return f"stuck/{member}"  # set by a member that waited past a bound for it: the coordinator kills it
 
     @staticmethod
     def heal(epoch: int) -> str:
@@ -122,7 +153,13 @@ class LiveMembership:
         self.store, self.id, self.timeout = store, member_id, timeout
         self.plan: Plan | None = None  # the epoch this worker is in
         self._fences = 0  # fences met in this epoch (every member meets them in the same order)
-        self._newest = -1  # the newest epoch the heartbeat thread saw
+        self._newest = -1  # the newest epoch the heartbeat thread saw (both threads write it: under the lock)
+        self._newest_lock = threading.Lock()
+        self._steps: deque[float] = deque(maxlen=STEP_WINDOW)  # the latest steps' durations (s)
+        self._step_at: float | None = None
+        self._limit = timeout  # the default group's current per-collective limit
+        self._passed: list[str] = []  # the barrier/fence keys passed since the last clean-up (all members' too)
+        self._pause = _pause_request(member_id)
         host, port = os.environ[STORE_ENV].rsplit(":", 1)
         self._beat_store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)  # the thread's own
         self._stopping = threading.Event()
@@ -134,7 +171,7 @@ class LiveMembership:
         while not self._stopping.wait(HEARTBEAT_S):
             try:
                 self._beat_store.add(Keys.beat(self.id), 1)
-                self._newest = self._beat_store.add(Keys.EPOCH, 0) - 1
+                self._see_epoch(self._beat_store.add(Keys.EPOCH, 0) - 1)
             except (RuntimeError, dist.DistError):  # the store went away: the launcher ended
                 return
 
@@ -149,9 +186,60 @@ class LiveMembership:
     def newer_plan(self) -> bool:
         return self.plan is None or self._newest > self.plan.epoch
 
+    def _see_epoch(self, epoch: int) -> int:
+        with self._newest_lock:  # never backwards (audit R3: a stale write from the other thread)
+            self._newest = max(self._newest, epoch)
+            return self._newest
+
     def _newest_epoch(self) -> int:
-        self._newest = max(self._newest, self.store.add(Keys.EPOCH, 0) - 1)
-        return self._newest
+        return self._see_epoch(self.store.add(Keys.EPOCH, 0) - 1)
+
+    # -- bounds -------------------------------------------------------------------------------------------------
+    def _store_bound(self) -> float:
+        """The bound of a wait for the coordinator (a plan, the commits): the store's own timeout (pg_timeout_s)."""
+        return self.store.timeout.total_seconds()
+
+    def step_done(self) -> None:
+        """A step ended (the loop calls it at every step boundary): its time goes into the median."""
+        now = time.monotonic()
+        if self._step_at is not None:
+            self._steps.append(now - self._step_at)
+        self._step_at = now
+
+    def record_bound(self) -> float:
+        """The limit of a record step's collective: RECORD_K x the median step so far, within [RECORD_FLOOR_S,
+        comm_timeout_s]. The members meet in a barrier (or a fence) just before, so what a member may still be doing
+        when its peers enter is a step's worth of local work at most (the consensus probe's forward passes)."""
+        ceiling = self.timeout.total_seconds()
+        if len(self._steps) < STEP_SAMPLES:
+            return ceiling
+        return min(ceiling, max(RECORD_FLOOR_S, RECORD_K * statistics.median(self._steps)))
+
+    @contextlib.contextmanager
+    def bounded(self, seconds: float | None = None) -> Iterator[None]:
+        """Collectives started inside get ``seconds`` (the record bound by default) as gloo's limit; the previous
+        limit again after. A collective a member died in then fails on every survivor within the bound (one with no
+        connection to the dead member would otherwise wait for ``comm_timeout_s``), as an ``ExchangeError``."""
+        previous, bound = self._limit, self.record_bound() if seconds is None else seconds
+        self._set_limit(timedelta(seconds=bound))
+        try:
+            yield
+        except ExchangeError as error:
+            raise ExchangeError(f"{error} [record step's bound {bound:.1f} s: {RECORD_K} x the median step, within "
+                                f"{RECORD_FLOOR_S:g} s and comm_timeout_s]") from error
+        finally:
+            self._set_limit(previous)
+
+    def _set_limit(self, limit: timedelta) -> None:
+        if limit != self._limit:
+            dist.set_timeout(limit)
+            self._limit = limit
+
+    def _report_stuck(self, members: list[int], why: str) -> None:
+        """Tell the coordinator: it kills these members and plans without them (as for a silent heartbeat)."""
+        for member in members:
+            logger.warning(f"member {member} stuck: {why}; reported to the coordinator")
+            self.store.set(Keys.stuck(member), why)
 
     def _latest_plan(self) -> Plan:
         return Plan.loads(self.store.get(Keys.plan(self._newest_epoch())))
@@ -187,8 +275,12 @@ class LiveMembership:
         """Reconfigure into ``plan``; False if a newer plan came first, or if it failed (a member in it died after
         publishing its handle: gloo gives up after ``timeout``) and a newer plan is out."""
         try:
-            return reconfigure.reconfigure(self.store, plan.epoch, plan.uuid, plan.members, self.id, self.timeout,
+            done = reconfigure.reconfigure(self.store, plan.epoch, plan.uuid, plan.members, self.id, self.timeout,
                                            abandon=lambda: self._newest_epoch() > plan.epoch)
+            if done:  # the new group's limit: the full one (a change may run inside a record step's bound)
+                self._limit = timedelta(0)
+                self._set_limit(self.timeout)
+            return done
         except (RuntimeError, dist.DistError):
             if self._newest_epoch() > plan.epoch:
                 return False
@@ -200,12 +292,16 @@ class LiveMembership:
         return self.plan is not None and self.id in self.plan.joined
 
     def _wait_for_plan(self, wanted: Callable[[Plan], bool]) -> Plan:
-        while True:
+        bound = self._store_bound()
+        deadline = time.monotonic() + bound
+        for _ in _backoff():
             if self.store.add(Keys.EPOCH, 0) > 0:
                 plan = self._latest_plan()
                 if wanted(plan):
                     return plan
-            time.sleep(POLL_S * 10)
+            if time.monotonic() > deadline:
+                raise WaitTimeout(f"member {self.id}: no plan with it within {bound:g} s (pg_timeout_s)")
+        raise AssertionError("unreachable")
 
     def commit(self) -> None:
         """Done with the change: wait for every member to be (raises PlanSuperseded if a newer plan comes)."""
@@ -214,10 +310,16 @@ class LiveMembership:
         self._wait_count(Keys.commit(plan.epoch), len(plan.members))
 
     def _wait_count(self, key: str, count: int) -> None:
-        while self.store.add(key, 0) < count:
+        bound = self._store_bound()
+        deadline = time.monotonic() + bound
+        for _ in _backoff():
+            if self.store.add(key, 0) >= count:
+                return
             if self.newer_plan():
                 raise PlanSuperseded
-            time.sleep(POLL_S)
+            if time.monotonic() > deadline:
+                raise WaitTimeout(f"member {self.id}: {key} not reached by every member within {bound:g} s "
+                                  "(pg_timeout_s)")
 
     # -- at step boundaries -------------------------------------------------------------------------------------
     def change_at(self, step: int, needs_all: bool) -> bool:
@@ -228,7 +330,10 @@ class LiveMembership:
         proposes it too (the dead one never arrives, and nobody passes the step without it)."""
         if not needs_all:
             return False
-        return self._verdict(Keys.barrier(self.plan.epoch, step))
+        change = self._verdict(Keys.barrier(self.plan.epoch, step))
+        if self._pause == step:
+            os.kill(os.getpid(), signal.SIGSTOP)  # tests only: stopped inside the record step, past its barrier
+        return change
 
     def fence(self) -> None:
         """Before a collective that follows local work of a record step (evaluating, writing a checkpoint file): the
@@ -239,16 +344,34 @@ class LiveMembership:
             raise MembersChanged
 
     def _verdict(self, key: str) -> bool:
-        """A barrier of the members at ``key``, and whether its verdict is a change."""
+        """A barrier of the members at ``key``, and whether its verdict is a change. A member that has not come
+        within ``comm_timeout_s`` (alive: it beats, but stuck) is reported to the coordinator, whose plan without
+        it ends the wait. The last member to arrive deletes the keys of the barriers before (all have passed them)."""
         plan = self.plan
         verdict = f"{key}/verdict"
+        self.store.set(f"{key}/{self.id}", "")  # who came: those waiting can name who did not
         if self.store.add(key, 1) == len(plan.members):
             self._propose(verdict, self._latest_plan().epoch > plan.epoch)
-        while not self.store.check([verdict]):
+            self._clean_up()
+        bound = self.timeout.total_seconds()
+        deadline = time.monotonic() + bound
+        for _ in _backoff():
+            if self.store.check([verdict]):
+                break
             if self.newer_plan() and set(plan.members) - set(self._latest_plan().members):
                 self._propose(verdict, True)
-            time.sleep(POLL_S)
+            if time.monotonic() > deadline:
+                missing = [m for m in plan.members if not self.store.check([f"{key}/{m}"])]
+                self._report_stuck(missing, f"not at {key} within {bound:g} s (comm_timeout_s)")
+                deadline = float("inf")  # once: the coordinator's plan without them ends the wait
+        self._passed += [key, verdict, *(f"{key}/{m}" for m in plan.members)]
         return self.store.get(verdict) == b"change"
+
+    def _clean_up(self) -> None:
+        """Delete the keys of the barriers this member passed before the one every member has now reached."""
+        current, self._passed = self._passed, []
+        for key in current:
+            self.store.delete_key(key)
 
     def _propose(self, verdict: str, change: bool) -> None:
         self.store.compare_set(verdict, "", "change" if change else "go on")
@@ -262,10 +385,21 @@ class LiveMembership:
         self.plan, self._fences = plan, 0
         return plan
 
-    def wait_for_newer_plan(self) -> None:
-        """A peer failed during the change: wait for the coordinator's plan without it."""
-        while self._newest_epoch() <= self.plan.epoch:
-            time.sleep(POLL_S)
+    def wait_for_newer_plan(self, peer: int | None = None) -> None:
+        """A peer failed during the change: wait for the coordinator's plan without it. The peer (member id) may be
+        alive (a transient error, or it stalled past the limit): after ``comm_timeout_s`` it is reported to the
+        coordinator; after as long again this worker gives up (WaitTimeout: it exits, and is declared lost)."""
+        bound = self.timeout.total_seconds()
+        deadline, reported = time.monotonic() + bound, peer is None
+        for _ in _backoff():
+            if self._newest_epoch() > self.plan.epoch:
+                return
+            if time.monotonic() > deadline:
+                if reported:
+                    raise WaitTimeout(f"member {self.id}: no newer plan within {bound:g} s (comm_timeout_s) after a "
+                                      "failed exchange with a peer")
+                self._report_stuck([peer], f"its exchange with member {self.id} failed, no plan {bound:g} s after")
+                deadline, reported = time.monotonic() + bound, True
 
 
 def send_state(state: dict[str, Any], rank: int) -> int:
@@ -289,3 +423,9 @@ def receive_state(rank: int) -> tuple[dict[str, Any], int]:
 
 def rank_of(plan: Plan, member: int) -> int:
     return plan.members.index(member)
+
+
+def _pause_request(member: int) -> int:
+    """The step at which tests want this member stopped inside a record step (``PAUSE_ENV``); -1: none."""
+    wanted, _, step = os.environ.get(PAUSE_ENV, "").partition(":")
+    return int(step) if wanted and int(wanted) == member else -1

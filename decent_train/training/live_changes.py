@@ -4,6 +4,7 @@ shards and rank 0's logging over the new members. The protocol with the coordina
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -44,9 +45,14 @@ class LiveTraining:
             except MembersChanged:
                 self.change(step)
 
+    def record_step(self) -> contextlib.AbstractContextManager[None]:
+        """Around a record step's collectives: the bound derived from measured steps (``LiveMembership.bounded``)."""
+        return self.live.bounded()
+
     def change_at(self, step: int, needs_all: bool) -> bool:
         """Whether the members change after ``step`` (see ``LiveMembership.change_at``); also closes the timing of
         the previous change, at the first step completed after it."""
+        self.live.step_done()
         if self._recovering is not None:
             plan, record = self._recovering
             self._recovering = None
@@ -102,7 +108,7 @@ class LiveTraining:
                 live.commit()
                 break
             except (RuntimeError, PlanSuperseded):  # the donor or another member died: a newer plan heals it again
-                live.wait_for_newer_plan()
+                live.wait_for_newer_plan(plan.donors[live.id])
                 plan = live.enter()
         job.algo.net.load_state_dict(state["model"])
         job.algo.load_state_dict({**state["algorithm"], "averaged_from": 1})
@@ -130,7 +136,7 @@ class LiveTraining:
         try:
             nbytes = send_state(state, rank_of(plan, joiner))
         except RuntimeError:  # the joiner died: the coordinator plans without it
-            self.live.wait_for_newer_plan()
+            self.live.wait_for_newer_plan(joiner)
             raise PlanSuperseded from None
         return {"heal_mb": round(nbytes / 2**20, 3), "heal_s": round(time.perf_counter() - start, 3)}
 

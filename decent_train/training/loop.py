@@ -48,20 +48,21 @@ def train_loop(
             if live is not None and live.change_at(step, needs_all=record_now or save_now):
                 live.change(step)
         try:
-            if record_now or save_now:
-                stop_signal = recorder.check_finite(REQUEST.number)  # every rank: the same answer
-            if record_now:
-                record = recorder.measure(step)
-                if on_record is not None:
-                    on_record(record, algo.net)
-                if evaluate_now:
-                    logger.debug(f"step {step}: evaluating")
+            with live.record_step() if live is not None and (record_now or save_now) else contextlib.nullcontext():
+                if record_now or save_now:
+                    stop_signal = recorder.check_finite(REQUEST.number)  # every rank: the same answer
+                if record_now:
+                    record = recorder.measure(step)
+                    if on_record is not None:
+                        on_record(record, algo.net)
+                    if evaluate_now:
+                        logger.debug(f"step {step}: evaluating")
+                        with recorder.paused():
+                            record.update(_despite_changes(live, step, evaluator.evaluate))
+                    recorder.log(record)
+                if save_now:  # after the step's record: a run resumed here logs from the next step on
                     with recorder.paused():
-                        record.update(_despite_changes(live, step, evaluator.evaluate))
-                recorder.log(record)
-            if save_now:  # after the step's record: a run resumed here logs from the next step on
-                with recorder.paused():
-                    _despite_changes(live, step, lambda: checkpointer.save(step))
+                        _despite_changes(live, step, lambda: checkpointer.save(step))
         except ExchangeError as error:
             if live is None:
                 raise

@@ -1,0 +1,78 @@
+"""Every wait of live membership has a bound (issue 38, point 3): faults caused for real in launched runs.
+
+- A founder stopped (SIGSTOP) before its hello: the launch stops with one line naming it, instead of waiting forever.
+- A member SIGKILLed inside a record step's collective (it stops itself there, past the step's barrier, through the
+  test hook ``live.PAUSE_ENV``: the hook only delays it; the kill is real): every survivor completes its next record
+  step within the derived bound (seconds), not after ``comm_timeout_s`` (120 s here): before, the survivor with no
+  connection to the dead member in that all-reduce waited for all of it.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from decent_train.training.live import PAUSE_ENV
+
+from .test_elastic import alive
+from .test_live_launcher import Ready, Signal, Watch, check_trained_to_the_end, launch
+
+PAUSE_AT = 200  # a record step (logger.log_every=10), not an evaluation step
+COMM_TIMEOUT_S = 120
+
+
+def _stopped(pid: int) -> bool:
+    """The process is in state T (stopped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def _started(member: int) -> Ready:
+    return lambda watch: member in watch.workers()
+
+
+@pytest.mark.slow
+def test_a_founder_hung_before_hello_stops_the_launch_with_one_line(tmp_path: Path) -> None:
+    run = launch(tmp_path, signals=[Signal(_started(1), signal.SIGSTOP, [1])])
+    assert run.returncode != 0, f"{run}"
+    naming = [line for line in run.console.splitlines() if "worker 1 hung before training started" in line]
+    assert len(naming) == 1, f"{run}"
+    assert "no hello within" in naming[0], f"{run}"
+    assert "Traceback" not in run.console, f"{run}"
+    assert 1 not in run.outlived and not alive(run.sent[0][1][1]), f"{run}"
+    assert not (run.run_dir / "metrics.jsonl").exists() or run.steps() == [], f"{run}"
+
+
+@pytest.mark.slow
+def test_a_member_killed_inside_a_record_collective_costs_seconds_not_comm_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(PAUSE_ENV, f"2:{PAUSE_AT}")  # member 2 stops itself past step 200's barrier
+    stopped_since: list[float] = []
+
+    def inside_the_collective(watch: Watch) -> bool:
+        """Member 2 stopped for a second: the others are in the step's first collective, waiting for it."""
+        pid = watch.workers().get(2)
+        if pid is None or not _stopped(pid):
+            return False
+        stopped_since.append(time.monotonic())
+        return stopped_since[-1] - stopped_since[0] > 1.0
+
+    run = launch(tmp_path, f"comm_timeout_s={COMM_TIMEOUT_S}",
+                 signals=[Signal(inside_the_collective, signal.SIGKILL, [2])])
+    check_trained_to_the_end(run)
+    assert run.members() == [4, 3], f"{run}"
+    (change,) = run.result["membership_changes"]
+    assert change["lost"] == [{"rank": 2, "member": 2, "why": "killed by SIGKILL"}], f"{run}"
+    # Rank 0's records around the kill: step 200's is skipped (a survivor's collective failed), the next one comes
+    # within the bound (RECORD_K x the median step, at least 10 s) plus the change, well below comm_timeout_s.
+    before = [r for r in run.records if r["step"] < PAUSE_AT]
+    after = [r for r in run.records if r["step"] > PAUSE_AT]
+    gap = after[0]["time/elapsed_s"] - before[-1]["time/elapsed_s"]
+    assert gap < COMM_TIMEOUT_S / 2, f"records {before[-1]['step']} -> {after[0]['step']}: {gap:.1f} s\n{run}"
+    assert change["step"] == after[0]["step"] or change["step"] > PAUSE_AT, f"{run}"
