@@ -356,8 +356,8 @@ class TrainConfig:
 
     def _check_engine_keys(self, traits: AlgorithmTraits) -> None:
         """Keys of the engine that another algorithm would ignore are refused: ``global_avg_every`` (the engine's
-        global average), ``bucket_size_mb`` and ``message_size_mb`` (its buckets and gossip messages, and DDP's
-        buckets: the fronts of local steps and sharded replicas have neither)."""
+        global average) and ``bucket_size_mb`` (its buckets, and DDP's: the fronts of local steps and sharded replicas
+        exchange a fragment's payload whole). ``message_size_mb`` splits the fronts' pair messages too."""
         if self.global_avg_every and not (traits.takes_phases or traits.local_steps):  # local steps refuse it first
             raise ValueError(
                 f"global_avg_every={self.global_avg_every} averages the engine's gossiping workers; algorithm="
@@ -367,12 +367,12 @@ class TrainConfig:
             ("algorithm", self.algorithm.name) if traits.local_steps else None)
         if front is None:
             return
-        for key in ("bucket_size_mb", "message_size_mb"):
-            if getattr(self, key) != _default(TrainConfig, key):
-                raise ValueError(
-                    f"{key}={getattr(self, key)} with {front[0]}={front[1]}: {key} sizes the engine's buckets and "
-                    f"messages, which {front[0]}={front[1]} does not run; leave {key}={_default(TrainConfig, key)}"
-                )
+        if self.bucket_size_mb != _default(TrainConfig, "bucket_size_mb"):
+            raise ValueError(
+                f"bucket_size_mb={self.bucket_size_mb} with {front[0]}={front[1]}: bucket_size_mb sizes the engine's "
+                f"buckets, which {front[0]}={front[1]} does not run; leave bucket_size_mb="
+                f"{_default(TrainConfig, 'bucket_size_mb')}"
+            )
 
     def _check_live(self) -> None:
         """What ``fault_tolerance=live`` runs with in this version (each refusal names the reason)."""

@@ -164,9 +164,7 @@ def test_every_option_composes_and_checks(group: str, option: str, data_dirs: di
         # issue 38 (D2): keys the run would ignore are refused, naming both keys
         ({"fault_tolerance": {"name": "live"}, "launch": {"monitor_interval": 0.5}},
          "fault_tolerance=live with launch.monitor_interval=0.5"),
-        ({"algorithm": "diloco", "message_size_mb": 1.0}, "message_size_mb=1.0 with algorithm=diloco"),
         ({"algorithm": "localsgd", "bucket_size_mb": 5.0}, "bucket_size_mb=5.0 with algorithm=localsgd"),
-        ({"parallel": {"shard": 2}, "message_size_mb": 1.0}, "message_size_mb=1.0 with parallel.shard=2"),
         ({"parallel": {"shard": 2}, "algorithm": "diloco", "bucket_size_mb": 100.0},
          "bucket_size_mb=100.0 with parallel.shard=2"),
         ({"algorithm": "allreduce", "global_avg_every": 5}, "global_avg_every=5 averages the engine's gossiping "

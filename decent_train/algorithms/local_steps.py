@@ -44,6 +44,7 @@ from decent_train.algorithms.outer_exchange import (
     Fragment, InFlight, OuterExchange, OuterGroup, payload_kind, split_parameters,
 )
 from decent_train.engine.compress import Compressor, check_consensus_step, make_compressor
+from decent_train.engine.ddp import check_engine_arguments
 from decent_train.engine.membership import Membership, TopologySpec, local_part
 
 if TYPE_CHECKING:  # FSDP2's modules cost 0.6 s to import: only runs that shard import them
@@ -123,8 +124,10 @@ class DiLoCo:
         timeout: float | None = None,
         mesh: DeviceMesh | None = None,
         offload: bool | None = None,
+        message_size_in_mb: float = 0.0,
     ):
         count = fragments if isinstance(fragments, int) else len(fragments)
+        check_engine_arguments(message_size_in_mb=message_size_in_mb)
         check_local_steps_arguments(sync_every, count, fragment_sync_delay, fragment_update_alpha)
         check_consensus_step(consensus_step)
         check_offload(offload)
@@ -173,7 +176,9 @@ class DiLoCo:
             mine = [e for r in range(self.topology.period) for e in self.topology.edges(r) if e.size > 1]
             for group in self.groups:
                 group.compress(compressor, mine)
-        self.exchange = OuterExchange(self.members, self.topology, consensus_step)
+        message_bytes = max(1, int(message_size_in_mb * 2**20)) if message_size_in_mb else 0
+        self.exchange = OuterExchange(self.members, self.topology, consensus_step, message_bytes)
+        self.exchange.check_messages(self.groups, message_size_in_mb)
         self.outer_home = OuterStateHome(store, outer) if store is not None and outer is not None else None
         self.inner_steps = 0
         self.outer_steps = 0  # outer steps taken, of all fragments

@@ -117,8 +117,8 @@ class FrontAlgorithm(Algorithm):
         raise NotImplementedError
 
     def _front_kwargs(self, cfg: TrainConfig) -> dict[str, Any]:
-        """The front's keywords every algorithm here shares: the exchange's compression, the layout, the time
-        limit."""
+        """The front's keywords every algorithm here shares: the exchange's compression and message size, the layout,
+        the time limit."""
         compression = cfg.compression
         return {
             "compression": None if compression.name == "none" else compression.name,
@@ -127,6 +127,7 @@ class FrontAlgorithm(Algorithm):
             "local_world_size": cfg.topology.local_world_size,
             "timeout": cfg.comm_timeout_s,
             "offload": getattr(cfg.algorithm, "offload", None),
+            "message_size_in_mb": cfg.message_size_mb,
         }
 
     @property

@@ -28,7 +28,7 @@ from decent_train.algorithms.offload import HostStore
 from decent_train.components.metrics import gossip_bytes_per_step
 from decent_train.engine.comm import CommWaits, peers_must_answer
 from decent_train.engine.compress import CompressedGossip, Compressor
-from decent_train.engine.exchange import ExchangeBuffers, Exchanger
+from decent_train.engine.exchange import MESSAGE_TAGS, ExchangeBuffers, Exchanger
 from decent_train.engine.membership import Membership
 from decent_train.engine.topology import Edge, Topology
 
@@ -303,10 +303,22 @@ class OuterExchange:
     round before its overlapped one (``Topology.async_stage``) run when it starts, the ones after it when it
     finishes; both block, as in the engine."""
 
-    def __init__(self, members: Membership, topology: Topology, consensus_step: float):
+    def __init__(self, members: Membership, topology: Topology, consensus_step: float, message_bytes: int = 0):
         self.members, self.topology = members, topology
-        self.exchanger = Exchanger(members.rank, members.exchange_group, 0, consensus_step)
+        self.exchanger = Exchanger(members.rank, members.exchange_group, message_bytes, consensus_step)
         self.waits = CommWaits(members.timeout)
+
+    def check_messages(self, groups: list[OuterGroup], message_size_in_mb: float) -> None:
+        """A pair sends a group's payload in messages of ``message_bytes`` (a rate-limited link keeps up with small
+        ones), each with its own tag: at most ``MESSAGE_TAGS`` per group."""
+        size = self.exchanger.message_bytes
+        if not size:
+            return
+        most = max(-(-PAYLOAD_COPIES[g.payload] * g.numel // max(1, size // g.params[0].element_size()))
+                   for g in groups)
+        if most > MESSAGE_TAGS:
+            raise ValueError(f"message_size_in_mb={message_size_in_mb} splits an outer step's payload into {most} "
+                             f"messages, more than {MESSAGE_TAGS}; use larger messages")
 
     def start(self, fragment: Fragment) -> InFlight:
         round_ = fragment.syncs
