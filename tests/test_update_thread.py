@@ -59,8 +59,13 @@ def train_with_unwaited_drain(rank: int, world_size: int) -> dict:
     return train_engine(rank, world_size, "ring", STEPS, update_thread=True)
 
 
-def test_a_drain_that_does_not_wait_deviates() -> None:
-    engine = run_workers(train_with_unwaited_drain, 4)
+def test_a_drain_that_does_not_wait_is_caught() -> None:
+    """The next forward then races the updates: the parameters leave the replay, or the race breaks the run outright
+    (autograd's in-place check, or the ranks' exchanges out of order in gloo), as it did once on a loaded machine."""
+    try:
+        engine = run_workers(train_with_unwaited_drain, 4, timeout=90)
+    except WorkerError:
+        return
     assert max_deviation(engine, replay(topology_for("ring", 4), STEPS)) > 1e-6
 
 
