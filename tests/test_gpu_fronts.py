@@ -127,13 +127,13 @@ def test_fronts_at_world_size_1_match_the_replay(name: str, variant: str, group_
 
 
 # -- int8's compiled kernels on the device ---------------------------------------------------------------------------
-def _pair_on_device(numel: int, dtype: torch.dtype, kernels: Int8Kernels | None
+def _pair_on_device(numel: int, dtype: torch.dtype, kernels: Int8Kernels | None, copies: torch.dtype | None = None
                     ) -> tuple[list[CompressedGossip], Edge, list[Tensor]]:
     """Both ends of a pair (weight 0.3) on the device, their copies at a common start, and their parameters."""
     edge, compressor = Edge([0, 1], 0.3), Int8Compressor()
     generator = torch.Generator().manual_seed(0)
     start = torch.randn(numel, generator=generator, dtype=torch.float64).to(DEVICE, dtype)
-    states = [CompressedGossip.create(compressor, start, [edge], None) for _ in range(2)]
+    states = [CompressedGossip.create(compressor, start, [edge], copies) for _ in range(2)]
     for state in states:
         state.reset(start)
         state.kernels = kernels
@@ -142,16 +142,20 @@ def _pair_on_device(numel: int, dtype: torch.dtype, kernels: Int8Kernels | None
 
 
 @gpu_test
-@pytest.mark.parametrize("numel, dtype, levels", [(5000, torch.float32, 0), (4096, torch.float64, 0),
-                                                  (5000, torch.float32, -1)], ids=["fp32", "fp64", "wrong-levels"])
-def test_int8_kernels_on_the_device_equal_the_eager_path(numel: int, dtype: torch.dtype, levels: int) -> None:
+@pytest.mark.parametrize("numel, dtype, levels, copies", [
+    (5000, torch.float32, 0, None), (4096, torch.float64, 0, None), (5000, torch.float32, 0, torch.bfloat16),
+    (5000, torch.float32, -1, None)], ids=["fp32", "fp64", "fp32-bf16-copies", "wrong-levels"])
+def test_int8_kernels_on_the_device_equal_the_eager_path(numel: int, dtype: torch.dtype, levels: int,
+                                                         copies: torch.dtype | None) -> None:
     """Three rounds of a pair's exchange, eager and compiled side by side from the same state: the messages and the
     public copies bit for bit equal, the mixed parameters within 4 ulp (the compiled run continues from the eager
-    one's). ``levels`` = -1: the compiled kernels quantize to one level fewer, and the messages must differ."""
+    one's). ``levels`` = -1: the compiled kernels quantize to one level fewer, and the messages must differ.
+    bfloat16 copies: the CPU's compiled loop read back the unrounded stored copy before torch 2.13 (int8_kernels.py
+    falls back to eager there); this shows whether CUDA's does."""
     compressor = Int8Compressor()
     kernels = Int8Kernels(compressor.block, compressor.LEVELS + levels)
-    (eager, edge, xs), (compiled, _, compiled_xs) = _pair_on_device(numel, dtype, None), _pair_on_device(
-        numel, dtype, kernels)
+    (eager, edge, xs), (compiled, _, compiled_xs) = _pair_on_device(numel, dtype, None, copies), _pair_on_device(
+        numel, dtype, kernels, copies)
     key, equal_messages = CompressedGossip.key(edge), []
     for _ in range(3):
         for states, values in ((eager, xs), (compiled, compiled_xs)):
@@ -168,7 +172,7 @@ def test_int8_kernels_on_the_device_equal_the_eager_path(numel: int, dtype: torc
             assert torch.allclose(xs[i], compiled_xs[i], rtol=0, atol=4 * torch.finfo(dtype).eps * xs[i].abs().max())
             compiled_xs[i].copy_(xs[i])
     compiled_ran = not int8_kernels._compile_failed and len(int8_kernels._compiled) == 2
-    record(f"int8-kernels/{DEVICE.type}/{str(dtype).removeprefix('torch.')}/levels{levels:+d}",
+    record(f"int8-kernels/{DEVICE.type}/{str(dtype).removeprefix('torch.')}/copies-{copies}/levels{levels:+d}",
            numel=numel, equal_messages=equal_messages, compiled_ran=compiled_ran)
     assert compiled_ran, "torch.compile failed: the eager kernels ran instead (see the warning in the log)"
     assert all(equal_messages) if levels == 0 else not any(equal_messages)
