@@ -26,10 +26,10 @@ parameters change only at the mix and the gradient is still taken at x^s.
 
 Modes. ``topology="allreduce"`` (or ``switch_to("allreduce")``) averages each bucket's gradients instead (modes.py).
 
-This module keeps the order of a step, ``switch_to`` and ``global_avg``. The rest, one question per file:
-buckets.py (layout), readiness.py (when a bucket's gradients are all there: one hook per bucket), modes.py (what a bucket does), steps.py (deferred steps), exchange.py and compress.py (what is
-sent; int8_kernels.py its compiled loops), membership.py (who is in the run and its process groups), state.py
-(checkpoints), host_memory.py (malloc on the CPU), compat.py (decent-dp's names).
+This module keeps the order of a step, ``switch_to`` and ``global_avg``. The rest, one question per file: buckets.py
+(layout), readiness.py (when a bucket's gradients are all there), update_thread.py (updates off autograd's thread),
+modes.py (what a bucket does), steps.py (deferred steps), exchange.py and compress.py (what is sent; int8_kernels.py
+its loops), membership.py (who is in the run), state.py (checkpoints), host_memory.py, compat.py (decent-dp's names).
 """
 
 from __future__ import annotations
