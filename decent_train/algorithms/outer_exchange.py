@@ -199,17 +199,13 @@ class OuterGroup:
                 "incoming": [torch.zeros(self._message_numel, dtype=torch.uint8) for _ in range(self._slots)]}
 
     def load_copies(self, state: dict[str, Any]) -> None:
-        """The public copies from :meth:`copies_state` (offloaded: into the host copies; nothing may be in flight)."""
+        """The public copies from :meth:`copies_state` (offloaded: into the host copies, which are the front's copies
+        while nothing is in flight, and no messages are held at rest)."""
         compressed = self.buffers.compressed
-        if self.store is None:
-            compressed.load(state)
-            return
-        if set(state["copies"]) != set(self.home_copies):
-            raise ValueError(f"the saved public copies are for the groups {sorted(state['copies'])}, this worker's are "
-                             f"{sorted(self.home_copies)}")
-        for key, (own, others) in state["copies"].items():
-            self.home_copies[key].own.copy_(own)
-            self.home_copies[key].others.copy_(others)
+        if self.store is not None:
+            assert not self.acquired, "the public copies are loaded with no exchange in flight"
+            state = {"copies": state["copies"], "incoming": []}
+        compressed.load(state)
 
     @torch.no_grad()
     def fill(self) -> None:

@@ -278,4 +278,5 @@ class CompressedGossip:
         for group, (own, others) in state["copies"].items():
             self.copies[group].own.copy_(own)
             self.copies[group].others.copy_(others)
-        torch._foreach_copy_(self.incoming, state["incoming"])
+        if self.incoming:  # none held at rest (an offloaded outer exchange's)
+            torch._foreach_copy_(self.incoming, state["incoming"])
