@@ -49,6 +49,7 @@ from decent_train.engine.topology import Edge
 from tests.on_gpu import DEVICE, gpu_test, one_gpu_backend_or_skip, record, run_spawned, shared_gpu
 from tests.replay import make_model, topology_for
 from tests.test_gpu import group_of_one, loss_on_device  # noqa: F401 - group_of_one is a fixture
+from tests.test_local_steps import _deviation
 from tests.test_local_steps import _replay as local_steps_replay
 from tests.test_sharded_gossip import Net, _batch, _loss, _optimizer
 from tests.test_sharded_gossip import _replay as sharded_replay
@@ -103,10 +104,6 @@ def _train_front(rank: int, world_size: int, name: str, topology: str, timeout: 
 def _on_cpu(tensor: Tensor) -> Tensor:
     """A copy on the CPU (``.cpu()`` of a CPU tensor is the tensor itself, which training goes on changing)."""
     return tensor.detach().to("cpu", copy=True)
-
-
-def _deviation(got: list[list[Tensor]], want: list[list[Tensor]]) -> float:
-    return max((a - b).abs().max().item() for g, w in zip(got, want) for a, b in zip(g, w))
 
 
 CASES_1 = [(name, "exact") for name in FRONTS] + [(name, variant) for name, variant in WRONG_VARIANTS.items()]

@@ -30,6 +30,7 @@ from tests.jobs import make_cfg, records, train_on_cpu
 from tests.replay import batch, loss_fn, make_model
 from tests.on_gpu import DEVICE, gpu_test, record
 from tests.test_gpu import group_of_one  # noqa: F401 -- a fixture
+from tests.test_local_steps import _deviation
 from tests.test_local_steps import _replay as local_steps_replay
 from tests.test_streaming import STREAMED, _modules, _resumed
 from tests.test_streaming import _replay as streaming_replay
@@ -83,10 +84,6 @@ def _train(rank: int, world_size: int, kind: str, topology: str, options: dict[s
             inner.step()
             inner.zero_grad()
     return [p.detach().clone() for p in model.parameters()]
-
-
-def _deviation(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) -> float:
-    return max((a - b).abs().max().item() for g, w in zip(got, want) for a, b in zip(g, w))
 
 
 STREAMING = {"sync_every": 9, "fragment_sync_delay": 2, "fragment_update_alpha": 0.5, "fragments": "modules"}

@@ -46,7 +46,7 @@ from decent_train.algorithms.step_gossip import Gossip
 from decent_train.config import MIXED_PRECISIONS, MODEL_FILE, check_config
 from tests.distributed import WorkerError, run_workers
 from tests.jobs import make_cfg, train_on_cpu
-from tests.test_sharded_gossip import D_OUT, Net, _batch, _optimizer
+from tests.test_sharded_gossip import D_OUT, Net, _batch, _deviation, _optimizer
 
 REPLICAS, SHARD, STEPS = 2, 2, 6
 TOLERANCE = 1e-6
@@ -181,11 +181,6 @@ def _sharded(rank: int, world_size: int, policy: str, kind: str) -> dict[str, An
 @functools.cache
 def _run(policy: str, kind: str = "mlp") -> list[dict[str, Any]]:
     return run_workers(_sharded, REPLICAS * SHARD, policy, kind)
-
-
-def _deviation(got: dict[str, Tensor], want: dict[str, Tensor]) -> float:
-    assert got.keys() == want.keys(), (sorted(got), sorted(want))
-    return max((got[n] - want[n]).abs().max().item() for n in want)
 
 
 CASES = [  # (the run's policy, the replay's policy, whether they must agree, the model)
