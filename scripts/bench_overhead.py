@@ -8,9 +8,10 @@ per-bucket optimizers stepping inside backward and the parameters living in flat
 (ResNet-50 on 224x224 images, batch 64, channels_last; GPT-2 small, context 1024, batch 8; AdamW, torch's fused kernel
 on CUDA in both loops; ``--precision fp16`` adds a GradScaler to both loops). The loops alternate, ``repeats`` times
 ``warmup`` + ``steps`` steps each, and the table shows the median step time and ``plain / engine`` (above 1: the
-engine is faster). ``--variants`` adds engines built otherwise, to tell where time goes: ``inline`` (buckets update on
-autograd's thread, not on a thread and stream of their own), ``per-parameter-hooks`` (a hook per parameter), ``one-bucket``, ``foreach`` (torch's foreach AdamW instead of fused),
-``deferred`` (every bucket steps at the end of backward). ``--compile``
+engine is faster). ``--variants`` adds engines built otherwise, to tell where time goes: ``update-thread`` (buckets
+update on a thread and CUDA stream of their own, not on autograd's thread), ``per-parameter-hooks`` (a hook per
+parameter), ``one-bucket``, ``foreach`` (torch's foreach AdamW instead of fused), ``deferred`` (every bucket steps
+at the end of backward). ``--compile``
 compiles the model in every loop; ``--profile DIR`` writes torch.profiler's tables of a few steps of each loop. On CPU
 the same command with small sizes (``--image-size 32 --batch-resnet 4 --gpt-layers 2 ...``) checks that it runs.
 """
@@ -88,7 +89,7 @@ def plain_loop(model: nn.Module, batch: tuple[Tensor, Tensor], args: argparse.Na
     return step
 
 
-ENGINE_VARIANTS = ("engine", "inline", "per-parameter-hooks", "one-bucket", "foreach", "deferred")
+ENGINE_VARIANTS = ("engine", "update-thread", "per-parameter-hooks", "one-bucket", "foreach", "deferred")
 
 
 def engine_loop(model: nn.Module, batch: tuple[Tensor, Tensor], args: argparse.Namespace, device: torch.device,
@@ -99,7 +100,7 @@ def engine_loop(model: nn.Module, batch: tuple[Tensor, Tensor], args: argparse.N
         optim_fn = lambda named: torch.optim.AdamW([p for _, p in named], lr=1e-4, weight_decay=0.1)  # noqa: E731
     engine = DecentralizedDataParallel(
         model, optim_fn, topology="ring", scaler=scaler, bucket_size_in_mb=10**6 if variant == "one-bucket" else 25,
-        update_thread=False if variant == "inline" else None,
+        update_thread=variant == "update-thread",
     )
     if variant == "deferred":
         engine._context.steps.deferred = True

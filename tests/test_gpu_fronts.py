@@ -176,7 +176,7 @@ def test_int8_kernels_on_the_device_equal_the_eager_path(numel: int, dtype: torc
 
 
 # -- peak device memory: the fronts against a plain loop --------------------------------------------------------------
-MEMORY_GPT = dict(layers=4, heads=8, width=512, vocab=8192, context=256, batch=8, steps=4)
+MEMORY_GPT = dict(layers=4, heads=8, width=512, vocab=8192, context=256, batch=8, steps=8)
 # Model-sized buffers each front keeps on the device at world size 1 (algorithms/outer_exchange.py): the exchange
 # buffer and its receive buffer; DiLoCo adds the anchors and the outer optimizer's momentum.
 FRONT_COPIES = {"diloco": 4, "streamed": 4, "localsgd": 2, "gossip": 2}
@@ -185,7 +185,7 @@ MEMORY_FRAGMENTS = {"diloco": 1, "streamed": 4, "localsgd": 1, "gossip": 1}
 
 def _memory_run(kind: str) -> dict[str, int]:
     """Peak and end CUDA memory of ``MEMORY_GPT['steps']`` AdamW steps (bf16 autocast) of a plain loop or under a
-    front at world size 1 (2 inner steps per outer step; streamed: 4 fragments, delay 1), over what was allocated
+    front at world size 1 (2 inner steps per outer step; streamed: 8, 4 fragments, delay 1), over what was allocated
     before the model was built."""
     gc.collect()
     torch.cuda.empty_cache()
@@ -201,7 +201,7 @@ def _memory_run(kind: str) -> dict[str, int]:
     outer = functools.partial(torch.optim.SGD, model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     front = {"plain": contextlib.nullcontext, "gossip": lambda: Gossip(model, inner, "ring"),
              "diloco": lambda: DiLoCo(model, inner, outer(), 2, "complete"),
-             "streamed": lambda: DiLoCo(model, inner, outer(), 4, "complete", fragments=4, fragment_sync_delay=1),
+             "streamed": lambda: DiLoCo(model, inner, outer(), 8, "complete", fragments=4, fragment_sync_delay=1),
              "localsgd": lambda: LocalSGD(model, inner, 2, "complete")}[kind]()
     with front:
         for _ in range(cfg["steps"]):

@@ -1,4 +1,4 @@
-"""Bucket updates on a thread of their own (``update_thread=True``; the default on CUDA) change nothing: every worker
+"""Bucket updates on a thread of their own (``update_thread=True``, opt-in) change nothing: every worker
 still equals the float64 replay, with compression, staged rounds, accumulation and deferred steps; an update's error
 comes out of ``backward()``; a drain that does not wait for the queued updates is caught by the same oracle."""
 
@@ -86,7 +86,7 @@ def test_an_update_error_comes_out_of_backward() -> None:
         run_workers(failing_update, 2, timeout=60)
 
 
-def test_threaded_updates_are_off_on_cpu_by_default() -> None:
+def test_threaded_updates_are_off_by_default() -> None:
     def run(rank: int, world_size: int) -> bool:
         return DecentralizedDataParallel(make_model(0), SGD, topology="ring")._updates is None
 

@@ -141,7 +141,7 @@ class DecentralizedDataParallel(nn.Module):
             ``torch.bfloat16`` halves their memory (two per distinct peer of the topology's period); the
             mean stays exact, but the workers then agree only to bfloat16's precision (engine/exchange.py).
         update_thread: buckets update (mix, step, launch) on a thread and CUDA stream of their own, off autograd's
-            thread (engine/update_thread.py); None: where the parameters are on CUDA (not with ``fault_tolerant``).
+            thread (engine/update_thread.py). Off by default: on an H200 its GIL hand-offs made ResNet-50 slower.
     """
 
     FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -167,7 +167,7 @@ class DecentralizedDataParallel(nn.Module):
         public_copy_dtype: torch.dtype | None = None,
         fault_tolerant: bool = False,
         from_rank0: bool = True,
-        update_thread: bool | None = None,
+        update_thread: bool = False,
     ):
         super().__init__()
         check_engine_arguments(
@@ -227,8 +227,7 @@ class DecentralizedDataParallel(nn.Module):
         )
         self._readiness = GradientReadiness(self._buckets, self._on_grad_ready, model, self._members.rank == 0)
         device = next((b.flat.device for b in self._buckets), torch.device("cpu"))
-        threaded = device.type == "cuda" and not fault_tolerant if update_thread is None else update_thread
-        self._updates = UpdateThread(device, owner=self) if threaded else None
+        self._updates = UpdateThread(device, owner=self) if update_thread else None
         self._mode = self._make_mode(topology, start=0)
         self._start_compression(identical=True)
         if self._members.rank == 0:

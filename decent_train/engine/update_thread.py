@@ -10,6 +10,9 @@ for the side stream, so the next forward reads the updated parameters.
 
 The gradients an update reads are kept referenced until ``drain``: the optimizer drops them (``set_to_none``), and a
 block freed while the side stream may still read it would be handed to the next allocation of backward's stream.
+
+Opt-in (``update_thread=True``): measured on an H200, the GIL passed between the two threads cost more than the
+launches it freed (ResNet-50 at batch 64: scripts/BENCHMARKS.md, "The engine's host path").
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ __all__ = ["UpdateThread"]
 
 class UpdateThread:
     """Runs submitted bucket updates one after another, in submission order, on a daemon thread that ends when
-    ``owner`` (the engine) is collected."""
+    ``owner`` (the engine) is collected or the interpreter exits."""
 
     def __init__(self, device: torch.device, owner: object):
         self.device = device
@@ -90,4 +93,8 @@ class UpdateThread:
             raise error
 
     def close(self) -> None:
+        """End the thread and wait for it: at exit (weakref.finalize's atexit hook) a thread still waking while the
+        interpreter finalizes is ended inside torch's C++ frames, which aborts the process."""
         self._queue.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=60)
