@@ -159,6 +159,19 @@ def profile(loops: dict[str, Step], steps: int, folder: Path, name: str, device:
         (folder / f"{name}_{kind}.txt").write_text(table)
 
 
+def alternating_rounds(loops: dict[str, Step], args: argparse.Namespace, device: torch.device
+                       ) -> dict[str, list[float]]:
+    """Seconds per step of each loop in ``args.repeats`` rounds, the loops' order rotated each round: a loop's time
+    is compared with the plain loop's of the same round, so that drift between rounds (clocks, a busy host) cancels in
+    the ratio, and no loop always runs first."""
+    times: dict[str, list[float]] = {k: [] for k in loops}
+    kinds = list(loops)
+    for r in range(args.repeats):
+        for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
+            times[kind].append(seconds_per_step(loops[kind], args.warmup, args.steps, device))
+    return times
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -195,36 +208,34 @@ def main(argv: list[str] | None = None) -> None:
         loops = {"plain": plain_loop(make(), batch, args, device)}
         for variant in ["engine", *variants]:
             loops[variant] = engine_loop(make(), batch, args, device, variant)
-        times: dict[str, list[float]] = {k: [] for k in loops}
-        for _ in range(args.repeats):
-            for kind, step in loops.items():
-                times[kind].append(seconds_per_step(step, args.warmup, args.steps, device))
-        plain, engine = statistics.median(times["plain"]), statistics.median(times["engine"])
-        results[name] = {"plain_ms": 1000 * plain, "engine_ms": 1000 * engine, "plain_over_engine": plain / engine,
-                         "plain_ms_all": [1000 * t for t in times["plain"]],
-                         "engine_ms_all": [1000 * t for t in times["engine"]]}
+        times = alternating_rounds(loops, args, device)
+        plain = statistics.median(times["plain"])
+        results[name] = {"plain_ms": 1000 * plain, "plain_ms_all": [1000 * t for t in times["plain"]]}
         for variant in ["engine", *variants]:
-            results[name][f"{variant}_per_step"] = host_calls(loops[variant])
-        for variant in variants:
-            ms = 1000 * statistics.median(times[variant])
-            results[name][f"{variant}_ms"] = ms
-            results[name][f"plain_over_{variant}"] = 1000 * plain / ms
+            ratios = [t / p for t, p in zip(times[variant], times["plain"])]
+            results[name] |= {f"{variant}_ms": 1000 * statistics.median(times[variant]),
+                              f"{variant}_ms_all": [1000 * t for t in times[variant]],
+                              f"{variant}_over_plain_rounds": ratios,
+                              f"{variant}_over_plain": statistics.median(ratios),
+                              f"{variant}_per_step": host_calls(loops[variant])}
         if args.profile:
             profile(loops, 5, args.profile, name, device)
         del loops
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"{where}, torch {torch.__version__}, {args.precision}, {args.repeats} x ({args.warmup} + {args.steps}) steps")
-    print("| model | loop | ms/step | plain / loop |")
-    print("|---|---|---|---|")
+    print("| model | loop | ms/step (median) | loop / plain (median of rounds) | rounds' range |")
+    print("|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | plain | {r['plain_ms']:.2f} | 1 |")
+        print(f"| {name} | plain | {r['plain_ms']:.2f} | 1 | |")
         for variant in ["engine", *variants]:
-            calls = r[f"{variant}_per_step"]
+            calls, rounds = r[f"{variant}_per_step"], r[f"{variant}_over_plain_rounds"]
             print(f"| {name} | {variant} ({calls['buckets']} buckets: {calls['hooks']} hooks, {calls['optimizer_steps']} "
-                  f"optimizer steps per step) | {r[f'{variant}_ms']:.2f} | {r[f'plain_over_{variant}']:.3f}x |")
+                  f"optimizer steps per step) | {r[f'{variant}_ms']:.2f} | {r[f'{variant}_over_plain']:.3f}x | "
+                  f"{min(rounds):.3f}-{max(rounds):.3f}x |")
     if args.json:
-        args.json.write_text(json.dumps({"device": where, "torch": torch.__version__, "args": vars(args) | {"json": str(args.json)},
+        arguments = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        args.json.write_text(json.dumps({"device": where, "torch": torch.__version__, "args": arguments,
                                          "results": results}, indent=2) + "\n")
 
 

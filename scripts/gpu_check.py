@@ -7,7 +7,9 @@ With a CUDA GPU it runs, in order, each step with its time limit inside a total 
 
 1. ``[env]`` the GPU, driver, torch / CUDA / cuDNN / NCCL versions;
 2. ``[overhead-b256]``, ``[overhead-b64]`` scripts/bench_overhead.py on an idle GPU: the engine's step time against a
-   plain loop, GPT-2 small (8 x 1024) and ResNet-50 (channels_last) at batch 256, ResNet-50 at batch 64, bf16. Fails
+   plain loop, GPT-2 small (8 x 1024) and ResNet-50 (channels_last) at batch 256, ResNet-50 at batch 64, bf16; the
+   median over 7 rounds of each round's engine / plain (on an H200, ResNet-50 at batch 64 is host-bound and one
+   process's plain loop ran 17-26 ms/step: rounds compared in pairs cancel that drift). Fails
    above ``OVERHEAD_BOUND`` (1.10: timing noise is not a defect, 10% is); the issue's targets (1.03, 1.03, 1.05) are
    reported met or missed;
 3. ``[cli-job]`` the default job through the command line on the GPU (``launch=gpu``: one worker per GPU, NCCL). Fails
@@ -110,9 +112,9 @@ def plan(out: Path, scratch: Path) -> list[Step]:
             f"scripts/bench_overhead.py: engine step time vs a plain loop, {models.replace(',', ' and ')} (ResNet-50 "
             f"batch {batch}, channels_last; GPT-2 small 8 x 1024), bf16; fails above {OVERHEAD_BOUND:.2f}x",
             [PY, "scripts/bench_overhead.py", "--device", "cuda", "--models", models, "--precision", "bf16",
-             "--batch-resnet", str(batch), "--batch-gpt", "8", "--context", "1024", "--repeats", "3",
+             "--batch-resnet", str(batch), "--batch-gpt", "8", "--context", "1024", "--repeats", "7",
              "--json", str(scratch / f"overhead_{run}.json")],
-            120 if run == "b256" else 75))
+            150 if run == "b256" else 75))
     steps.append(Step(
         "cli-job", f"the default job through the command line on the GPU (launch=gpu, NCCL); fails below accuracy "
         f"{CLI_ACCURACY} or on a non-finite loss",
@@ -245,7 +247,7 @@ def judge_overhead(runs: dict[str, dict[str, Any]]) -> tuple[list[dict[str, Any]
         if not result:
             failures.append(f"overhead: no result for {model} (batch {batch}): see [overhead-{run}] in gpu_check.log")
             continue
-        ratio = result["engine_ms"] / result["plain_ms"]
+        ratio = result["engine_over_plain"]  # the median of the rounds' ratios (bench_overhead.py)
         row = {"model": model, "run": run, "batch": batch, "plain_ms": result["plain_ms"],
                "engine_ms": result["engine_ms"], "engine_over_plain": ratio, "target": target,
                "target_met": ratio <= target, "within_bound": ratio <= OVERHEAD_BOUND,
