@@ -182,7 +182,7 @@ FAULT_TOLERANCE = ("none", "live")
 class FaultToleranceConfig:
     """``conf/fault_tolerance/*.yaml``. ``none``: a failed worker stops every worker (torchrun restarts them all
     from the newest checkpoint with ``launch.max_restarts``). ``live``: the others go on without it and a
-    replacement heals from a live peer (``training/live.py``; the design: ``decent_train/FAULT_TOLERANCE.md``)."""
+    replacement heals from a live peer (``training/live.py``; the design: ``docs/fault-tolerance.md``)."""
 
     name: str = "none"
     detect_s: float = 10.0  # a worker silent this long (hung, stopped) is declared dead and killed

@@ -264,7 +264,7 @@ def test_below_min_workers_the_run_stops_with_a_checkpoint(tmp_path: Path) -> No
 @pytest.mark.slow
 def test_a_replacement_killed_while_it_joins_is_replaced_again(tmp_path: Path) -> None:
     # A joiner killed after it published its reconfigure handle holds the members in gloo's reconfiguration until
-    # comm_timeout_s (FAULT_TOLERANCE.md, limits): 20 s here instead of 300.
+    # comm_timeout_s (docs/fault-tolerance.md, limits): 20 s here instead of 300.
     run = launch(tmp_path, "launch.max_restarts=2", "comm_timeout_s=20", signals=[
         Signal(at_step(KILL_AT), signal.SIGKILL, [2]),
         Signal(joining(4), signal.SIGKILL, [4]),

@@ -1,7 +1,7 @@
 """DiLoCo with ``topology="complete"`` is DiLoCo as torchft defines it (issue 28, acceptance 2), plain and streamed.
 
 The oracle is torchft's update rule replayed by hand (float64, every replica in one process), written from torchft's
-``local_sgd.py`` (0.2.0; algorithms/torchft_local_sgd.md), not from the front's formula: with one shared counter,
+``local_sgd.py`` (0.2.0; docs/design/torchft-local-sgd.md), not from the front's formula: with one shared counter,
 fragment f = (syncs so far) % F is prepared after inner step P − τ of each period of P = sync_every / F steps and
 performed after step P::
 

@@ -22,7 +22,7 @@ starts after inner step P − τ of its period (τ = ``fragment_sync_delay``) an
 after step P: the τ inner steps between overlap with the communication. τ = 0 is exact. Unlike torchft with one outer
 optimizer, the optimizer steps only the synced fragment's parameters (the others' gradients are hidden from it), as
 torchft's one-optimizer-per-fragment form does. What travels and how compression keeps the mean: outer_exchange.py.
-design notes: torchft_local_sgd.md (what torchft does), tests/test_local_steps.py (the float64 replay).
+design notes: docs/design/torchft-local-sgd.md (what torchft does), tests/test_local_steps.py (the float64 replay).
 """
 
 from __future__ import annotations

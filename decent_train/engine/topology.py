@@ -249,7 +249,7 @@ class Topology:
         the groups take the default group's, and a group spanning the world is the default group itself;
         ``world_group`` (every rank, made with ``timeout``) serves that group instead of another copy of the world.
         ``edge.group`` stays None for pairs (point-to-point on the default group) and for other ranks' groups. Why
-        each of these choices: ARCHITECTURE.md, "Process groups".
+        each of these choices: docs/architecture.md, "Process groups".
         """
         rank = dist.get_rank()
         world_timeout = _default_group_timeout()

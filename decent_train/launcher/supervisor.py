@@ -10,7 +10,7 @@ one coordinator of the membership (no split brain: one writer of plans):
 - a replacement that has said hello joins by the next plan, healing from a live member;
 - fewer than ``fault_tolerance.min_workers`` members: a last plan stops the run (the workers save a checkpoint).
 
-The workers' side, and the protocol in full: ``training/live.py`` and ``decent_train/FAULT_TOLERANCE.md``.
+The workers' side, and the protocol in full: ``training/live.py`` and ``docs/fault-tolerance.md``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Live membership on a worker (``fault_tolerance=live``): the plans of the supervisor's coordinator, carried out at
-step boundaries. The protocol in full, and why: ``decent_train/FAULT_TOLERANCE.md``.
+step boundaries. The protocol in full, and why: ``docs/fault-tolerance.md``.
 
 Every membership is an *epoch* with a plan the coordinator writes into its store (it lives in the launcher, which no
 worker failure takes down). A worker heartbeats from a thread of its own and reads the newest epoch there. The
@@ -36,7 +36,7 @@ MEMBER_ENV = "DECENT_TRAIN_MEMBER_ID"  # this worker's stable id (never reused i
 HEARTBEAT_S = 0.1  # how often a worker beats and looks for a newer plan
 POLL_S = 0.002  # the first pause between two looks at the store while waiting ...
 POLL_MAX_S = 0.05  # ... doubling up to this (a long wait costs the store 20 requests a second per member)
-# The record step's collectives (FAULT_TOLERANCE.md, "Every wait has a bound"): RECORD_K x the median step time
+# The record step's collectives (docs/fault-tolerance.md, "Every wait has a bound"): RECORD_K x the median step time
 # measured so far, at least RECORD_FLOOR_S, at most comm_timeout_s (also before STEP_SAMPLES steps are measured).
 RECORD_K = 20
 RECORD_FLOOR_S = 10.0
