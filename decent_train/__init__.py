@@ -3,7 +3,14 @@
 ``from decent_train import DecentralizedDataParallel`` replaces ``decent_dp``'s class. Scripts that import decent-dp's
 submodules keep working after renaming the package: ``decent_train.ddp``, ``decent_train.optim``,
 ``decent_train.topo`` and ``decent_train.utils`` are the engine's modules under decent-dp's names (engine/compat.py).
+
+A library stays silent in its user's script: the package's loguru messages are off until asked for with
+``loguru.logger.enable("decent_train")``. The ``decent-train`` command and its workers turn them on.
 """
+
+from loguru import logger
+
+logger.disable("decent_train")  # before any submodule is imported: none of them logs when imported either
 
 from decent_train.engine import *  # noqa: F403
 from decent_train.engine import __all__ as _engine_all

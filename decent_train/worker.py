@@ -28,6 +28,7 @@ from decent_train.training.live import STORE_ENV, LiveMembership, connect
 @record
 def main(argv: list[str] | None = None) -> None:
     die_with_agent()
+    logger.enable("decent_train")  # silent as a library (decent_train/__init__.py); a worker logs to its file
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         sys.exit("usage: python -m decent_train.worker RUN_DIR/resolved_config.yaml   (under torchrun)")

@@ -21,7 +21,7 @@ import hydra
 import torch
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
+from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException, OverrideParseException
 from hydra.types import RunMode
 from loguru import logger
 from omegaconf import DictConfig, OmegaConf
@@ -236,6 +236,8 @@ def describe_error(error: BaseException) -> str | None:
         return str(error)
     if isinstance(error, OSError) and _raised_by_hydra_output(error):
         return unwritable_run_dir(error)
+    if isinstance(error, OverrideParseException):
+        return unparsable_override(error.override, error.message)
     if isinstance(error, MissingConfigException) and str(error).startswith("Cannot find primary config"):
         recipes = sorted(p.stem for p in Path(shipped_dir("recipes")).glob("*.yaml"))
         return f"-cn {error.missing_cfg_file} is not a recipe; valid: {', '.join(recipes)} (or train, the default)"
@@ -256,6 +258,32 @@ def describe_error(error: BaseException) -> str | None:
     if isinstance(error, HydraException):
         return str(error).strip().splitlines()[0]
     return None
+
+
+def unparsable_override(word: str, hydra_message: str) -> str:
+    """One line for a command-line word that Hydra's override grammar cannot read (``topology ring`` for
+    ``topology=ring``): the word, what was expected, and an example built from the word when it names a group."""
+    groups = sorted(p.name for p in Path(shipped_dir("conf")).iterdir() if p.is_dir() and p.name != "hydra")
+    key = word.lstrip("+~").partition("=")[0]
+    if key in groups:
+        options = sorted(p.stem for p in (Path(shipped_dir("conf")) / key).glob("*.yaml"))
+        default = getattr(getattr(TrainConfig, "__dataclass_fields__", {}).get(key), "default_factory", None)
+        chosen = getattr(default(), "name", None) if callable(default) else None
+        example = f"{key}={chosen if chosen in options else options[0]}"
+    elif key.replace(".", "").replace("_", "").isalnum():
+        example = f"{word[:len(word) - len(word.lstrip('+'))]}{key}=VALUE"
+    else:
+        example = "topology=ring"
+    expected = f"expected key=value, e.g. {example} (see decent-train --help)"
+    if "=" not in word and not word.startswith("~"):
+        return f"{word!r} is not key=value; {expected}"
+    lines = [line for line in hydra_message.splitlines()
+             if line.strip() and not line.startswith(("Error parsing override", "See https://"))]
+    if lines and lines[0].startswith("LexerNoViableAltException"):  # the next line's caret marks the character
+        column = len(lines[1]) - len("LexerNoViableAltException: ") - 1 if len(lines) > 1 else -1
+        lines = [f"unexpected character {word[column]!r}" if 0 <= column < len(word) else "unexpected character"]
+    reason = f" ({lines[0].strip()})" if lines else ""
+    return f"{word!r} cannot be read as key=value{reason}; {expected}"
 
 
 def _raised_by_hydra_output(error: OSError) -> bool:
@@ -327,6 +355,7 @@ def main() -> None:
     """Console entry point. Errors in the user's input end in one line on stderr and exit status 2."""
     full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # make Hydra raise, so we can say what is wrong in one line
+    logger.enable("decent_train")  # the package is silent as a library (decent_train/__init__.py), not as a command
     logger.remove()
     logger.add(sys.stderr, level="INFO", format="<green>{time:HH:mm:ss}</green> | <level>{message}</level>")
     sys.argv = with_recipes(sys.argv)
