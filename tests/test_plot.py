@@ -9,14 +9,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from matplotlib.figure import Figure
 from omegaconf import OmegaConf
 from PIL import Image
 
 from decent_train.launcher.plot import (
     THROUGHPUT,
     THROUGHPUT_MIN,
+    Run,
     band,
+    charts,
     find_runs,
+    header,
     load_runs,
     main,
     phase_changes,
@@ -38,7 +42,7 @@ def write_run(run_dir: Path, overrides: list[str], scale: float, consensus: bool
     for step in range(2, 22, 2):
         record: dict[str, Any] = {"step": step, "epoch": step / 11, "train/loss": scale * 2.0 / step,
                                   "train/lr": 0.003, THROUGHPUT: 16000.0 / scale + step, "time/step_ms": 7.9 * scale,
-                                  "time/elapsed_s": 0.008 * scale * step}
+                                  "time/elapsed_s": 0.008 * scale * step, "world/members": 4}
         if step % 10 == 0:
             record |= {"eval/loss": scale / step, "eval/accuracy": 1 - scale / step}
         if consensus:
@@ -85,12 +89,14 @@ def test_sweep_writes_every_chart(sweep: Path, capsys: pytest.CaptureFixture[str
 
 
 def test_labels_are_the_overrides_that_differ() -> None:
-    assert run_labels([["topology=ring", "seed=0"], ["topology=complete", "seed=0"]], ["0", "1"]) == [
+    assert run_labels([["topology=ring", "seed=0"], ["topology=complete", "seed=0"]]) == [
         "topology=ring", "topology=complete"]
-    assert run_labels([["topology=ring", "seed=0"]], ["0"]) == ["topology=ring seed=0"]
-    assert run_labels([[]], ["my_run"]) == ["my_run"]
-    # a run with nothing of its own is named by its directory
-    assert run_labels([["seed=0"], ["seed=0", "lr=0.1"]], ["a", "b"]) == ["a", "lr=0.1"]
+    assert run_labels([["topology=ring", "seed=0"]]) == ["topology=ring seed=0"]
+    assert run_labels([[]]) == ["defaults"]
+    # a run with nothing of its own ran on the defaults of what the others set
+    assert run_labels([["seed=0"], ["seed=0", "lr=0.1"]]) == ["defaults", "lr=0.1"]
+    # runs that are alike are numbered in order, never named by their directory
+    assert run_labels([["lr=0.1"], [], ["lr=0.1"], []]) == ["lr=0.1 #1", "defaults #1", "lr=0.1 #2", "defaults #2"]
 
 
 def test_sweep_runs_are_labelled_and_in_job_order(sweep: Path) -> None:
@@ -186,3 +192,122 @@ def test_a_sweep_over_seeds_is_one_line_per_setting_with_the_seeds_spread(tmp_pa
     out = tmp_path / "plots"
     main([str(root), "--out", str(out)])
     assert_pngs(out, LINE_PNGS)
+
+
+def figures(root: Path) -> dict[str, Figure]:
+    """The charts decent-train-plot would write for ``root``, as figure objects (nothing drawn to disk)."""
+    return charts(load_runs(root), root)[0]
+
+
+def legend_labels(fig: Figure) -> list[str]:
+    return [text.get_text() for legend in fig.legends for text in legend.get_texts()]
+
+
+def test_every_chart_is_titled_with_the_sweep_its_workers_and_what_varies(sweep: Path) -> None:
+    """The fixture's sweep: 3 topologies, 4 workers each (result.json's world_size; the failed run's logged
+    world/members), the COMMON overrides on every run."""
+    charts_by_name = figures(sweep)
+    assert sorted(charts_by_name) == sorted(ALL_PNGS)
+    for name, fig in charts_by_name.items():
+        title = " ".join(fig.get_suptitle().split())  # long lines are wrapped
+        assert f"sweep {sweep.parent.name}/{sweep.name}: 3 runs of 4 workers" in title, (name, title)
+        assert "varying topology (complete, ring, one-peer-exp)" in title, (name, title)
+        assert f"every run: {' '.join(COMMON)}" in title, (name, title)
+        what = {"loss": "Training loss", "accuracy": "Test accuracy", "consensus": "Consensus distance",
+                "throughput": "Throughput"}[name.split("_")[0].removesuffix(".png")]
+        assert title.startswith(what), (name, title)
+
+
+def test_headers_say_how_many_workers_and_shards() -> None:
+    def run(workers: int | None, shard: int = 1, overrides: tuple[str, ...] = ()) -> Run:
+        return Run(Path("r"), [], {}, list(overrides), workers, shard)
+
+    root = Path("/sweeps/multirun/2025-01-01/12-00-00")  # Hydra's sweep directory: named with its date
+    assert header([run(4, overrides=("lr=0.1",)), run(8, overrides=("lr=0.2",))], root) == \
+        "sweep multirun/2025-01-01/12-00-00: 2 runs of 4-8 workers, varying lr (0.1, 0.2)"
+    assert header([run(4, 2, ("lr=0.1",)), run(4, 2)], root) == \
+        "sweep multirun/2025-01-01/12-00-00: 2 runs of 4 workers (2 replicas x 2 shards), varying lr (0.1, default)"
+    assert header([run(1)], Path("/outputs/2025-01-01/12-00-00")) == \
+        "run outputs/2025-01-01/12-00-00: 1 worker, defaults"
+
+
+def test_loss_and_consensus_are_on_a_log_axis_with_lines_told_apart(sweep: Path) -> None:
+    for name, fig in figures(sweep).items():
+        if name == "throughput.png":
+            continue
+        (ax,) = fig.axes
+        expected = "linear" if name.startswith("accuracy") else "log"
+        assert ax.get_yscale() == expected, name
+        # one line per run, each with a dash and a marker of its own: lines that coincide still show both
+        lines = ax.get_lines()
+        assert [line.get_label() for line in lines] == ["topology=complete", "topology=ring", "topology=one-peer-exp"]
+        assert len({line.get_linestyle() for line in lines}) == len({line.get_marker() for line in lines}) == 3, name
+
+
+def test_a_loss_that_reaches_zero_keeps_a_linear_axis(tmp_path: Path) -> None:
+    """A log axis would drop the zero (a loss of 0.0 written by the run) without a word."""
+    write_run(tmp_path / "run", ["topology=ring"], 1.0)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    lines[-1] = json.dumps(json.loads(lines[-1]) | {"train/loss": 0.0})
+    (tmp_path / "run" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    charts_by_name = figures(tmp_path / "run")
+    assert charts_by_name["loss_vs_step.png"].axes[0].get_yscale() == "linear"
+    assert charts_by_name["consensus_vs_step.png"].axes[0].get_yscale() == "log"
+
+
+def test_throughput_puts_aggregate_and_slowest_worker_in_panels_of_their_own(sweep: Path, tmp_path: Path) -> None:
+    fig = figures(sweep)["throughput.png"]
+    aggregate, slowest = fig.axes
+    assert "aggregate" in aggregate.get_title() and "slowest" in slowest.get_title()
+    # the bars are the fixture's numbers: result.json's 16322 / scale; the failed run's logged mean, 16000/2 + 11;
+    # the slowest worker's, logged only: 3900 / scale
+    assert [bar.get_height() for bar in aggregate.patches] == pytest.approx([16322.0, 16322.0 / 1.5, 8011.0])
+    assert [bar.get_height() for bar in slowest.patches] == pytest.approx([3900.0, 2600.0, 1950.0])
+    for ax in fig.axes:  # runs are named under their bars, no legend covers them, their numbers fit above them
+        assert [t.get_text() for t in ax.get_xticklabels()] == [
+            "topology=complete", "topology=ring", "topology=one-peer-exp"]
+        assert ax.get_legend() is None and not fig.legends
+        assert ax.get_ylim()[1] >= 1.1 * max(bar.get_height() for bar in ax.patches)
+    for job, topology in enumerate(["complete", "ring"]):  # runs that never log the slowest worker: one panel
+        write_run(tmp_path / "plain" / str(job), [f"topology={topology}"], 1.0, consensus=False)
+    assert len(figures(tmp_path / "plain")["throughput.png"].axes) == 1
+
+
+def test_a_run_without_overrides_is_labelled_defaults_not_by_its_time(tmp_path: Path) -> None:
+    """``decent-train`` with no overrides writes outputs/DATE/TIME; a sweep's job may set nothing the others set."""
+    run_dir = tmp_path / "outputs" / "2025-01-01" / "12-00-00"
+    write_run(run_dir, ["topology=ring"], 1.0)
+    config = OmegaConf.load(run_dir / "resolved_config.yaml")
+    config.run.overrides = []
+    OmegaConf.save(config, run_dir / "resolved_config.yaml")
+    assert [run.label for run in load_runs(run_dir)] == ["defaults"]
+    for name, fig in figures(run_dir).items():
+        shown = legend_labels(fig) + [t.get_text() for ax in fig.axes for t in ax.get_xticklabels()]
+        assert "defaults" in shown and not any("12-00-00" in text for text in shown), (name, shown)
+    root = tmp_path / "sweep"
+    write_run(root / "0", ["topology=ring", "steps=20"], 1.0)
+    write_run(root / "1", ["topology=ring", "steps=20", "optim.lr=0.1"], 1.0)
+    assert legend_labels(figures(root)["loss_vs_step.png"]) == ["defaults", "optim.lr=0.1"]
+
+
+def test_the_consensus_axis_says_what_the_distance_measures(sweep: Path) -> None:
+    for name in ("consensus_vs_step.png", "consensus_vs_time.png"):
+        label = figures(sweep)[name].axes[0].get_ylabel()
+        # ConsensusProbe.measure: sqrt((1/n) sum_i |x_i - mean|^2), x_i a worker's parameters
+        assert label.startswith("consensus distance") and r"\sqrt{\mathrm{mean}_i" in label, label
+        assert r"\Vert x_i - \bar{x} \Vert^2" in label and "worker $i$'s parameters" in label, label
+
+
+def test_symlinked_run_directories_are_followed(sweep: Path, tmp_path: Path) -> None:
+    """A directory of links to chosen runs plots like a sweep; a link back up the tree or a second link to the same
+    run adds nothing."""
+    chosen = tmp_path / "chosen"
+    chosen.mkdir()
+    (chosen / "0").symlink_to(sweep / "0", target_is_directory=True)
+    (chosen / "1").symlink_to(sweep / "1", target_is_directory=True)
+    (chosen / "1-again").symlink_to(sweep / "1", target_is_directory=True)
+    (chosen / "loop").symlink_to(chosen, target_is_directory=True)
+    assert find_runs(chosen) == [chosen / "0", chosen / "1"]
+    main([str(chosen), "--out", str(tmp_path / "out")])
+    assert_pngs(tmp_path / "out", ALL_PNGS)
+    assert [run.label for run in load_runs(chosen)] == ["topology=complete", "topology=ring"]

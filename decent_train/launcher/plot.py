@@ -1,7 +1,8 @@
 """``decent-train-plot DIR [--out OUT]``: charts of one run or a sweep of runs, drawn from the files they leave.
 
 It reads only ``metrics.jsonl``, ``result.json`` and ``resolved_config.yaml``, so runs can be plotted after the fact,
-on another machine, without torch workers; one line (or bar) per run, labelled by what sets the run apart.
+on another machine, without torch workers; one line (or bar) per run, labelled by what sets the run apart. Each
+chart's title says which sweep it is, how many workers ran and what varies, so a PNG read alone is understood.
 """
 
 from __future__ import annotations
@@ -9,13 +10,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+from matplotlib.artist import Artist
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from omegaconf import OmegaConf
@@ -24,8 +29,32 @@ from decent_train.config import METRICS_FILE, RESOLVED_CONFIG, RESULT_FILE
 
 THROUGHPUT = "throughput/samples_per_s"
 THROUGHPUT_MIN = "throughput/samples_per_s_min_worker"
-LINE_CHARTS = [("loss", "train/loss"), ("accuracy", "eval/accuracy"), ("consensus", "consensus/distance")]
-X_AXES = [("step", "step", "step"), ("time", "time/elapsed_s", "time (s)")]
+DEFAULTS = "defaults"  # the label of a run that sets nothing the others do not
+
+
+@dataclass(frozen=True)
+class LineChart:
+    """One metric drawn against step and against time: ``<name>_vs_step.png``, ``<name>_vs_time.png``."""
+
+    name: str
+    key: str
+    title: str
+    y_label: str
+    log: bool  # a log axis when every value is positive: losses and distances shrink by orders of magnitude
+
+
+# ConsensusProbe.measure's definition (decent_train/components/metrics.py); with parallel.shard, i is a replica.
+CONSENSUS_LABEL = (r"consensus distance $\sqrt{\mathrm{mean}_i \Vert x_i - \bar{x} \Vert^2}$" "\n"
+                   r"($x_i$: worker $i$'s parameters, $\bar{x}$: their mean)")
+LINE_CHARTS = [
+    LineChart("loss", "train/loss", "Training loss", "training loss (mean over workers)", True),
+    LineChart("accuracy", "eval/accuracy", "Test accuracy", "test accuracy of the workers' average model", False),
+    LineChart("consensus", "consensus/distance", "Consensus distance", CONSENSUS_LABEL, True),
+]
+X_AXES = [("step", "step", "step"), ("time", "time/elapsed_s", "training time (s)")]
+# Lines that coincide stay apart: each run its own dash and marker, the first drawn widest underneath.
+LINE_STYLES = ["-", "--", "-.", ":"]
+MARKERS = ["o", "s", "^", "D", "v", "P"]
 
 
 @dataclass
@@ -36,18 +65,31 @@ class Run:
     records: list[dict[str, Any]]
     result: dict[str, Any]
     overrides: list[str]
+    workers: int | None = None  # ranks: result.json's world_size, else the last logged count, else the config's
+    shard: int = 1  # parallel.shard: ranks per replica
     label: str = field(default="")
 
 
 def find_runs(root: Path) -> list[Path]:
-    """Run directories under ``root`` (itself included): any depth, so Hydra's ``multirun/DATE/TIME/k`` works too.
+    """Run directories under ``root`` (itself included): any depth, so Hydra's ``multirun/DATE/TIME/k`` works too,
+    and through symbolic links (a directory of links to chosen runs is a sweep of its own); each real directory once.
 
     Sorted by job number where the names are integers (``10`` after ``9``), else by name.
     """
     def key(run: Path) -> tuple[tuple[int, int, str], ...]:
         return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in run.relative_to(root).parts)
 
-    return sorted({p.parent for p in root.rglob(METRICS_FILE) if p.is_file()}, key=key)
+    found, seen = [], set()
+    for directory, subdirectories, files in os.walk(root, followlinks=True):
+        subdirectories.sort()  # the first path to a run reached twice is the one kept, the same on every machine
+        real = Path(directory).resolve()
+        if real in seen:  # a link to a run already found, or back up the tree
+            subdirectories.clear()
+            continue
+        seen.add(real)
+        if METRICS_FILE in files and (Path(directory) / METRICS_FILE).is_file():
+            found.append(Path(directory))
+    return sorted(found, key=key)
 
 
 def _number(value: Any) -> float | None:
@@ -71,16 +113,87 @@ def load_run(path: Path) -> Run:
         result = json.loads((path / RESULT_FILE).read_text())
     except (OSError, json.JSONDecodeError):
         result = {}
-    overrides: list[str] = []
-    if (path / RESOLVED_CONFIG).is_file():
-        overrides = [str(o) for o in OmegaConf.select(OmegaConf.load(path / RESOLVED_CONFIG), "run.overrides") or []]
-    return Run(path, records, result if isinstance(result, dict) else {}, overrides)
+    result = result if isinstance(result, dict) else {}
+    config = OmegaConf.load(path / RESOLVED_CONFIG) if (path / RESOLVED_CONFIG).is_file() else OmegaConf.create()
+    overrides = [str(o) for o in OmegaConf.select(config, "run.overrides") or []]
+    logged = [n for n in (_number(r.get("world/members")) for r in records) if n is not None]
+    per_node, nodes = OmegaConf.select(config, "launch.nproc_per_node"), OmegaConf.select(config, "launch.nnodes")
+    launched = per_node * nodes if isinstance(per_node, int) and isinstance(nodes, int) else None
+    workers = _number(result.get("world_size")) or (logged[-1] if logged else None) or launched
+    shard = OmegaConf.select(config, "parallel.shard")
+    return Run(path, records, result, overrides, int(workers) if workers else None,
+               shard if isinstance(shard, int) and shard > 1 else 1)
 
 
-def run_labels(overrides: Sequence[Sequence[str]], names: Sequence[str]) -> list[str]:
-    """Each run's overrides less those every run shares (they tell runs apart in a legend); its name if none is left."""
+def override_key(override: str) -> str:
+    """``topology`` of ``topology=ring``, ``algorithm.sync_every`` of ``++algorithm.sync_every=4``."""
+    return override.lstrip("+~").split("=", 1)[0]
+
+
+def run_labels(overrides: Sequence[Sequence[str]]) -> list[str]:
+    """Each run's overrides less those every run shares (they tell runs apart in a legend); "defaults" if none is
+    left. Runs whose overrides are the same are numbered in order ("defaults #1", "defaults #2")."""
     common = set(overrides[0]).intersection(*overrides[1:]) if len(overrides) > 1 else set()
-    return [" ".join(o for o in run if o not in common) or name for run, name in zip(overrides, names)]
+    labels = [" ".join(o for o in run if o not in common) or DEFAULTS for run in overrides]
+    counts = {label: labels.count(label) for label in labels}
+    seen: dict[str, int] = {}
+    for i, label in enumerate(labels):
+        if counts[label] > 1:
+            seen[label] = seen.get(label, 0) + 1
+            labels[i] = f"{label} #{seen[label]}"
+    return labels
+
+
+def varying(runs: Sequence[Run]) -> dict[str, list[str]]:
+    """The keys whose overrides differ between runs (in first-seen order), each with its values in run order; a run
+    that does not set the key has "default"."""
+    keys = list(dict.fromkeys(override_key(o) for run in runs for o in run.overrides))
+    values: dict[str, list[str]] = {}
+    for key in keys:
+        per_run = [next((o.split("=", 1)[1] if "=" in o else "deleted" for o in run.overrides
+                         if override_key(o) == key), "default") for run in runs]
+        if len(set(per_run)) > 1:
+            values[key] = list(dict.fromkeys(per_run))
+    return values
+
+
+def sweep_name(root: Path) -> str:
+    """The directory's name with its parent's, and more parents while the names are dates, times or job numbers
+    (Hydra's ``multirun/DATE/TIME``): ``multirun/2025-01-01/12-00-00`` says more than ``12-00-00``."""
+    parts = root.resolve().parts[1:]  # less the root "/"
+    name = list(parts[-1:])
+    while len(name) < len(parts) and len(name) < 4 and (len(name) == 1 or re.fullmatch(r"[\d_:.-]+", name[0])):
+        name.insert(0, parts[-len(name) - 1])
+    return "/".join(name) or "/"
+
+
+def _workers(runs: Sequence[Run]) -> str:
+    """``4 workers``, ``4 workers (2 replicas x 2 shards)``, ``2-8 workers``; sharding is said, since a worker is
+    a rank and a replica is the model's copy."""
+    counts = sorted({(run.workers, run.shard) for run in runs if run.workers})
+    if not counts:
+        return "workers not recorded"
+    if len(counts) > 1:
+        return f"{min(w for w, _ in counts)}-{max(w for w, _ in counts)} workers"
+    ((workers, shard),) = counts
+    text = f"{workers} worker{'s' if workers != 1 else ''}"
+    return f"{text} ({workers // shard} replicas x {shard} shards)" if shard > 1 else text
+
+
+def header(runs: Sequence[Run], root: Path) -> str:
+    """The lines under each chart's title: the sweep (or run), its size in runs and workers, what varies, and the
+    overrides every run shares."""
+    if len(runs) == 1:
+        (run,) = runs
+        return f"run {sweep_name(root)}: {_workers(runs)}, {' '.join(run.overrides) or DEFAULTS}"
+    keys = varying(runs)
+    what = ", ".join(f"{key} ({', '.join(values) if len(values) <= 5 else f'{len(values)} values'})"
+                     for key, values in keys.items()) or "nothing (the same overrides)"
+    lines = [f"sweep {sweep_name(root)}: {len(runs)} runs of {_workers(runs)}, varying {what}"]
+    common = [o for o in runs[0].overrides if all(o in run.overrides for run in runs[1:])]
+    if common:
+        lines.append(f"every run: {' '.join(common)}")
+    return "\n".join(textwrap.fill(line, 110, break_long_words=False, break_on_hyphens=False) for line in lines)
 
 
 def _series(run: Run, x_key: str, y_key: str) -> tuple[list[float], list[float]]:
@@ -99,15 +212,6 @@ def phase_changes(run: Run, x_key: str) -> list[float]:
             changes.append(last_x)
         last_x, last_phase = x, phase if phase is not None else last_phase
     return changes
-
-
-def _save(fig: Figure, path: Path) -> None:
-    """Renders with Agg (no display needed) and lets the figure go, so a long sweep does not pile up figures."""
-    FigureCanvasAgg(fig)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    fig.clear()
-    print(path)
 
 
 def seed_groups(runs: list[Run]) -> list[tuple[str, list[Run]]]:
@@ -133,33 +237,62 @@ def band(runs: list[Run], x_key: str, y_key: str) -> tuple[list[float], list[flo
     return xs, [sum(c) / len(c) for c in ys], [min(c) for c in ys], [max(c) for c in ys]
 
 
-def plot_lines(runs: list[Run], y_key: str, x_key: str, x_label: str, path: Path) -> bool:
-    """One line per run, or per setting of a sweep over seeds (its mean, the seeds' min to max shaded); False
-    (nothing written) when no run has a point of ``y_key`` against ``x_key``."""
-    groups = [(label, [(run, *_series(run, x_key, y_key)) for run in group]) for label, group in seed_groups(runs)]
+def _line_style(i: int, lines: int, points: int) -> dict[str, Any]:
+    """Line ``i`` of ``lines``: its colour, dash and marker, about eight markers a line, staggered so that lines
+    lying on one another show each one's marks."""
+    every = max(1, points // 8)
+    return {"color": f"C{i % 10}", "linestyle": LINE_STYLES[i % len(LINE_STYLES)],
+            "marker": MARKERS[i % len(MARKERS)], "markevery": (i * every // lines, every), "markersize": 4,
+            "linewidth": max(1.0, 2.6 - 0.6 * i), "alpha": 0.9}
+
+
+def _new_figure(title: str, head: str, width: float) -> Figure:
+    """A figure titled by the chart and the sweep; constrained layout keeps the title and legend off the plots."""
+    fig = Figure(figsize=(width, 5.2), layout="constrained")
+    FigureCanvasAgg(fig)  # Agg: no display needed
+    fig.suptitle(f"{title}\n{head}", fontsize="medium")
+    return fig
+
+
+def _legend(fig: Figure, handles: list[Artist], labels: list[str]) -> None:
+    """Below the plot, where it covers no line; as many columns as the labels' lengths allow."""
+    columns = max(1, min(len(labels), 100 // (max(len(label) for label in labels) + 8)))
+    fig.legend(handles, labels, loc="outside lower center", ncols=columns, fontsize="small", frameon=False)
+
+
+def line_figure(runs: list[Run], chart: LineChart, x_key: str, x_label: str, head: str) -> Figure | None:
+    """One line per run, or per setting of a sweep over seeds (its mean, the seeds' min to max shaded); None when no
+    run has a point of ``chart.key`` against ``x_key``."""
+    groups = [(label, [(run, *_series(run, x_key, chart.key)) for run in group]) for label, group in seed_groups(runs)]
     groups = [(label, [s for s in group if s[1]]) for label, group in groups]
     groups = [(label, group) for label, group in groups if group]
     if not groups:
-        return False
-    fig = Figure(figsize=(7, 4.5))
+        return None
+    fig = _new_figure(f"{chart.title} vs {x_label.split(' (')[0]}", head, 8.0)
     ax = fig.add_subplot()
-    for label, group in groups:
+    lows: list[float] = []
+    for i, (label, group) in enumerate(groups):
         if len(group) == 1:
             run, xs, ys = group[0]
-            (line,) = ax.plot(xs, ys, label=run.label, marker="." if len(xs) < 30 else None)
+            low = ys
+            ax.plot(xs, ys, label=run.label, **_line_style(i, len(groups), len(xs)))
         else:
-            xs, mean, low, high = band([run for run, _, _ in group], x_key, y_key)
-            (line,) = ax.plot(xs, mean, label=f"{label} ({len(group)} seeds)", marker="." if len(xs) < 30 else None)
-            ax.fill_between(xs, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+            xs, mean, low, high = band([run for run, _, _ in group], x_key, chart.key)
+            ax.plot(xs, mean, label=f"{label} ({len(group)} seeds: mean, min to max shaded)",
+                    **_line_style(i, len(groups), len(xs)))
+            ax.fill_between(xs, low, high, color=f"C{i % 10}", alpha=0.2, linewidth=0)
+        lows += low
         for x in phase_changes(group[0][0], x_key):  # dotted: the end of a phase
-            ax.axvline(x, color=line.get_color(), linestyle=":", alpha=0.7)
-    if y_key.startswith("consensus/") and all(y > 0 for _, group in groups for _, _, ys in group for y in ys):
-        ax.set_yscale("log")  # the distance shrinks by orders of magnitude as the workers agree
-    ax.set(xlabel=x_label, ylabel=y_key)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
-    _save(fig, path)
-    return True
+            ax.axvline(x, color=f"C{i % 10}", linestyle=":", alpha=0.7)
+    log = chart.log and all(y > 0 for y in lows)
+    if log:
+        ax.set_yscale("log")
+    ax.set(xlabel=x_label, ylabel=chart.y_label + (" (log scale)" if log and chart.key != "consensus/distance" else ""))
+    if chart.key == "consensus/distance":
+        ax.yaxis.label.set_fontsize("small")
+    ax.grid(alpha=0.3, which="both" if log else "major")
+    _legend(fig, *ax.get_legend_handles_labels())
+    return fig
 
 
 def throughput(run: Run, key: str) -> float | None:
@@ -171,64 +304,99 @@ def throughput(run: Run, key: str) -> float | None:
     return sum(logged) / len(logged) if logged else None
 
 
-def plot_throughput(runs: list[Run], path: Path) -> bool:
-    """Bars of samples/s per run, the slowest worker's beside them when logged; False when no run has any."""
-    keys = [k for k in (THROUGHPUT, THROUGHPUT_MIN) if any(throughput(run, k) is not None for run in runs)]
-    if not keys:
-        return False
-    fig = Figure(figsize=(max(5.0, 1.2 * len(runs) + 2), 4.5))
-    ax = fig.add_subplot()
-    width = 0.8 / len(keys)
-    for i, key in enumerate(keys):
-        values = [throughput(run, key) for run in runs]
-        xs = [j + (i - (len(keys) - 1) / 2) * width for j in range(len(runs))]
-        ax.bar(xs, [math.nan if v is None else v for v in values], width, label=key)
-    crowded = len(runs) > 3
+def _bars(ax: Axes, runs: list[Run], key: str, colors: list[str]) -> None:
+    """One bar per run, named below and numbered on top; the headroom keeps the numbers inside the axes."""
+    values = [throughput(run, key) for run in runs]
+    bars = ax.bar(range(len(runs)), [math.nan if v is None else v for v in values], 0.6, color=colors)
+    ax.bar_label(bars, [f"{v:,.0f}" if v is not None else "not logged" for v in values], padding=2, fontsize="small")
+    ax.set_ylim(0, 1.15 * max((v for v in values if v is not None), default=1.0))
+    crowded = len(runs) > 3 or max(len(run.label) for run in runs) > 24
     ax.set_xticks(range(len(runs)), [run.label for run in runs], fontsize="small",
                   rotation=20 if crowded else 0, ha="right" if crowded else "center")
-    ax.set_ylabel("samples/s")
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize="small")
-    _save(fig, path)
-    return True
+
+
+def throughput_figure(runs: list[Run], head: str) -> Figure | None:
+    """Samples/s of all workers together, and of the slowest worker at its own pace, in panels of their own: the
+    two differ by about the worker count, and side by side on one axis the second reads as a straggler. None when no
+    run has either."""
+    panels = [(THROUGHPUT, "aggregate: all workers together", "samples/s, all workers"),
+              (THROUGHPUT_MIN, "per worker: the slowest, at its own pace",
+               "samples/s, slowest worker\n(its time waiting for peers left out)")]
+    panels = [p for p in panels if any(throughput(run, p[0]) is not None for run in runs)]
+    if not panels:
+        return None
+    color_of = {id(run): f"C{i % 10}" for i, (_, group) in enumerate(seed_groups(runs)) for run in group}
+    fig = _new_figure("Throughput", head, max(8.0, 1.6 * len(runs) * len(panels) + 2))
+    for ax, (key, title, y_label) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
+        _bars(ax, runs, key, [color_of[id(run)] for run in runs])
+        ax.set_title(title, fontsize="medium")
+        ax.set_ylabel(y_label)
+    return fig
 
 
 def load_runs(root: Path) -> list[Run]:
-    """Every run under ``root``, labelled; a run without overrides is named by its path under ``root``."""
+    """Every run under ``root``, labelled by its overrides that differ from the others' (or "defaults")."""
     runs = [load_run(path) for path in find_runs(root)]
-    names = [str(run.path.relative_to(root)) if run.path != root else root.resolve().name for run in runs]
-    for run, label in zip(runs, run_labels([run.overrides for run in runs], names)):
+    for run, label in zip(runs, run_labels([run.overrides for run in runs])):
         run.label = label
     return runs
 
 
-def plot_dir(root: Path, out: Path) -> list[Path]:
-    """Writes every chart that some run has data for into ``out``; returns the paths written."""
-    runs = load_runs(root)
-    out.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
-    for name, y_key in LINE_CHARTS:
+def charts(runs: list[Run], root: Path) -> tuple[dict[str, Figure], list[str]]:
+    """Every chart that some run has data for, by file name, and a line for each chart skipped saying why."""
+    head = header(runs, root)
+    figures: dict[str, Figure] = {}
+    skipped: list[str] = []
+    for chart in LINE_CHARTS:
         missing = []
         for x_name, x_key, x_label in X_AXES:
-            path = out / f"{name}_vs_{x_name}.png"
-            if plot_lines(runs, y_key, x_key, x_label, path):
-                written.append(path)
+            name = f"{chart.name}_vs_{x_name}.png"
+            figure = line_figure(runs, chart, x_key, x_label, head)
+            if figure is not None:
+                figures[name] = figure
             else:
-                missing.append((path.name, x_key))
+                missing.append((name, x_key))
         if len(missing) == len(X_AXES):
-            print(f"skipped {', '.join(n for n, _ in missing)}: no run logs {y_key}")
+            skipped.append(f"skipped {', '.join(n for n, _ in missing)}: no run logs {chart.key}")
         elif missing:
-            print(f"skipped {', '.join(n for n, _ in missing)}: no run logs {y_key} with {missing[0][1]}")
-    if plot_throughput(runs, out / "throughput.png"):
-        written.append(out / "throughput.png")
+            skipped.append(f"skipped {', '.join(n for n, _ in missing)}: no run logs {chart.key} with {missing[0][1]}")
+    figure = throughput_figure(runs, head)
+    if figure is not None:
+        figures["throughput.png"] = figure
     else:
-        print(f"skipped throughput.png: no run has {THROUGHPUT}")
+        skipped.append(f"skipped throughput.png: no run has {THROUGHPUT}")
+    return figures, skipped
+
+
+def plot_dir(root: Path, out: Path) -> list[Path]:
+    """Writes every chart that some run has data for into ``out``; returns the paths written."""
+    figures, skipped = charts(load_runs(root), root)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, fig in figures.items():
+        fig.savefig(out / name, dpi=120)
+        fig.clear()  # a long sweep's figures are let go as they are written
+        print(out / name)
+        written.append(out / name)
+    for line in skipped:
+        print(line)
     return written
 
 
+CHARTS_HELP = """charts written (one line or bar per run, labelled by the overrides that set it apart, or "defaults"):
+  loss_vs_step.png, loss_vs_time.png            training loss, mean over workers (log scale)
+  accuracy_vs_step.png, accuracy_vs_time.png    test accuracy of the workers' average model
+  consensus_vs_step.png, consensus_vs_time.png  consensus distance sqrt(mean_i |x_i - mean x|^2) (log scale)
+  throughput.png                                samples/s: all workers together | the slowest worker's own pace
+runs of a sweep over seed= are drawn as their mean with the seeds' min to max shaded."""
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="decent-train-plot", description="Plot a decent-train run or sweep.")
-    parser.add_argument("dir", type=Path, help="a run directory, or a sweep directory holding run directories")
+    parser = argparse.ArgumentParser(prog="decent-train-plot", description="Plot a decent-train run or sweep.",
+                                     epilog=CHARTS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("dir", type=Path, help="a run directory, or a sweep directory holding run directories "
+                                               "(symbolic links to runs are followed)")
     parser.add_argument("--out", type=Path, default=None, help="where the PNGs go (default: DIR/plots)")
     args = parser.parse_args(argv)
     root: Path = args.dir
