@@ -18,16 +18,20 @@ from decent_train.engine.compat import alias_decent_dp_modules
 
 alias_decent_dp_modules(__name__)
 
-__all__ = [*_engine_all, "DiLoCo", "LocalSGD", "Gossip"]
+__all__ = [*_engine_all, "DiLoCo", "LocalSGD", "Gossip", "load_model"]
 
 
 def __getattr__(name: str) -> object:
-    """The step-hook fronts (algorithms/local_steps.py, algorithms/step_gossip.py), imported when first asked for: the
-    engine's import stays light."""
+    """The step-hook fronts (algorithms/local_steps.py, algorithms/step_gossip.py) and ``load_model``, imported when
+    first asked for: the engine's import stays light."""
     if name in ("DiLoCo", "LocalSGD"):
         from decent_train.algorithms import local_steps
 
         return getattr(local_steps, name)
+    if name == "load_model":  # the trained model a run left (training/saved_model.py)
+        from decent_train.training.saved_model import load_model
+
+        return load_model
     if name == "Gossip":
         from decent_train.algorithms import step_gossip
 

@@ -29,6 +29,7 @@ from decent_train.training.live_changes import LiveTraining, seed_joiner
 from decent_train.training.loop import OnRecord, train_loop
 from decent_train.training.recorder import refuse_to_diverge_again
 from decent_train.training.resume import load_checkpoint, restore
+from decent_train.training.saved_model import model_shape, save_model
 from decent_train.training.stop import TrainingStopped
 
 
@@ -135,13 +136,14 @@ def _info(job: Job) -> dict[str, Any]:
 def _finish(job: Job, result: dict[str, Any], checkpoint: Checkpoint | None) -> dict[str, Any]:
     """Complete the loop's result; rank 0 writes it and the (averaged) model."""
     world, algo, run_dir = dist.get_world_size(), job.algo, job.run_dir
-    result |= {"world_size": world, "algorithm": algo.name, "model_path": str(run_dir / MODEL_FILE)}
+    result |= {"world_size": world, "algorithm": algo.name, "model_path": str(run_dir / MODEL_FILE),
+               **model_shape(job.data.input_shape, job.data.num_classes)}
     if checkpoint is not None and checkpoint.world_size != world:
         result["resumed_from_world_size"] = checkpoint.world_size
     result["topology"] = algo.topology_name
     model = algo.full_state_dict()  # every rank: a sharded model is gathered
     if dist.get_rank() == 0:
-        torch.save(model, run_dir / MODEL_FILE)
+        save_model(run_dir, model)
         (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
         trained = result["train_time_s"] < math.inf  # else resumed from the final checkpoint: evaluated only
         speed = f"{result['throughput/samples_per_s']:.0f} samples/s" if trained else "nothing left to train"
