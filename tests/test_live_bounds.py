@@ -1,8 +1,9 @@
 """Every wait of live membership has a bound (issue 38, point 3): faults caused for real in launched runs.
 
 - A founder stopped (SIGSTOP) before its hello: the launch stops with one line naming it, instead of waiting forever.
-- A member SIGKILLed inside a record step's collective (it stops itself there, past the step's barrier, through the
-  test hook ``live.PAUSE_ENV``: the hook only delays it; the kill is real): every survivor completes its next record
+- A member SIGKILLed inside a record step's collective: the first gather, the consensus distance's all-reduce or the
+  evaluation's (it stops itself there, through the test hook ``live.PAUSE_ENV``: the hook only delays it; the kill
+  is real): every survivor completes its next record
   step within the derived bound (seconds), not after ``comm_timeout_s`` (120 s here): before, the survivor with no
   connection to the dead member in that all-reduce waited for all of it.
 """
@@ -20,7 +21,7 @@ from decent_train.training.live import PAUSE_ENV
 from .test_elastic import alive
 from .test_live_launcher import Ready, Signal, Watch, check_trained_to_the_end, launch
 
-PAUSE_AT = 200  # a record step (logger.log_every=10), not an evaluation step
+PAUSE_AT = 200  # a record step (logger.log_every=10) that also measures consensus (10) and evaluates (100)
 COMM_TIMEOUT_S = 120
 
 
@@ -49,10 +50,14 @@ def test_a_founder_hung_before_hello_stops_the_launch_with_one_line(tmp_path: Pa
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("collective", ["", "consensus distance", "evaluation"],
+                         ids=["the-first-gather", "the-consensus-all-reduce", "the-evaluation-all-reduce"])
 def test_a_member_killed_inside_a_record_collective_costs_seconds_not_comm_timeout(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, collective: str
 ) -> None:
-    monkeypatch.setenv(PAUSE_ENV, f"2:{PAUSE_AT}")  # member 2 stops itself past step 200's barrier
+    # member 2 stops itself past step 200's barrier (the others wait in the step's first gather), or just before the
+    # collective so described (engine/comm.py's stop_before): the others wait inside it
+    monkeypatch.setenv(PAUSE_ENV, f"2:{PAUSE_AT}:{collective}")
     stopped_since: list[float] = []
 
     def inside_the_collective(watch: Watch) -> bool:
@@ -76,3 +81,6 @@ def test_a_member_killed_inside_a_record_collective_costs_seconds_not_comm_timeo
     gap = after[0]["time/elapsed_s"] - before[-1]["time/elapsed_s"]
     assert gap < COMM_TIMEOUT_S / 2, f"records {before[-1]['step']} -> {after[0]['step']}: {gap:.1f} s\n{run}"
     assert change["step"] == after[0]["step"] or change["step"] > PAUSE_AT, f"{run}"
+    if collective:  # a survivor was inside that collective when member 2 died
+        logs = "".join(log.read_text() for log in (run.run_dir / "logs").glob("*.log")) + run.console
+        assert f"{collective}'s all-reduce failed" in logs, f"{run}"

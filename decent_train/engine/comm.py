@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
+import signal
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -23,7 +24,10 @@ __all__ = [
     "ExchangeError",
     "peers_must_answer",
     "run_collective",
+    "stop_before",
 ]
+
+_stop_before: str | None = None  # tests only (training/live.py's PAUSE_ENV): stop before this collective
 
 
 class ExchangeError(RuntimeError):
@@ -44,6 +48,9 @@ def peers_must_answer(what: str | Callable[[], str], timeout: timedelta | None =
     format a message that is almost never shown. Wrap only the communication itself: any RuntimeError inside is
     reported as a peer's failure.
     """
+    if _stop_before is not None and isinstance(what, str) and _stop_before in what:
+        stop_before(None)
+        os.kill(os.getpid(), signal.SIGSTOP)  # tests only: its peers are left waiting inside this collective
     try:
         yield
     except ExchangeError:
@@ -54,6 +61,13 @@ def peers_must_answer(what: str | Callable[[], str], timeout: timedelta | None =
         described = what if isinstance(what, str) else what()
         raise ExchangeError(f"rank {rank}: {described} failed (a peer hangs or died{limit}): {first_line(error)}") \
             from error
+
+
+def stop_before(what: str | None) -> None:
+    """Tests only: the next collective whose description contains ``what`` first stops this process (SIGSTOP), so
+    that a test can kill it while its peers wait inside that collective; None disarms."""
+    global _stop_before
+    _stop_before = what
 
 
 class CommWaits:

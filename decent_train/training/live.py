@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
-from decent_train.engine import reconfigure
+from decent_train.engine import comm, reconfigure
 from decent_train.engine.comm import ExchangeError
 
 STORE_ENV = "DECENT_TRAIN_STORE"  # host:port of the coordinator's store
@@ -42,7 +42,9 @@ RECORD_K = 20
 RECORD_FLOOR_S = 10.0
 STEP_SAMPLES = 5
 STEP_WINDOW = 101  # the steps the median is taken over (the latest)
-PAUSE_ENV = "DECENT_TRAIN_TEST_STOP_AFTER_BARRIER"  # tests: "member:step", that member SIGSTOPs itself there
+# Tests: "member:step[:collective]": that member SIGSTOPs itself past the step's barrier, or before the first
+# collective of that step whose description contains ``collective`` (engine/comm.py's stop_before).
+PAUSE_ENV = "DECENT_TRAIN_TEST_STOP_AFTER_BARRIER"
 
 
 class WaitTimeout(RuntimeError):
@@ -331,8 +333,11 @@ class LiveMembership:
         if not needs_all:
             return False
         change = self._verdict(Keys.barrier(self.plan.epoch, step))
-        if self._pause == step:
-            os.kill(os.getpid(), signal.SIGSTOP)  # tests only: stopped inside the record step, past its barrier
+        if self._pause[0] == step:  # tests only: stopped inside the record step, past its barrier
+            if self._pause[1]:
+                comm.stop_before(self._pause[1])
+            else:
+                os.kill(os.getpid(), signal.SIGSTOP)
         return change
 
     def fence(self) -> None:
@@ -425,7 +430,9 @@ def rank_of(plan: Plan, member: int) -> int:
     return plan.members.index(member)
 
 
-def _pause_request(member: int) -> int:
-    """The step at which tests want this member stopped inside a record step (``PAUSE_ENV``); -1: none."""
-    wanted, _, step = os.environ.get(PAUSE_ENV, "").partition(":")
-    return int(step) if wanted and int(wanted) == member else -1
+def _pause_request(member: int) -> tuple[int, str]:
+    """The step at which tests want this member stopped inside a record step, and before which collective ("":
+    past the barrier) (``PAUSE_ENV``); step -1: none."""
+    wanted, _, rest = os.environ.get(PAUSE_ENV, "").partition(":")
+    step, _, collective = rest.partition(":")
+    return (int(step), collective) if wanted and int(wanted) == member else (-1, "")
