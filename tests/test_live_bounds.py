@@ -1,6 +1,7 @@
 """Every wait of live membership has a bound (issue 38, point 3): faults caused for real in launched runs.
 
 - A founder stopped (SIGSTOP) before its hello: the launch stops with one line naming it, instead of waiting forever.
+- A member paused for 4 s (SIGSTOP, then SIGCONT), a transient fault under every bound: no change, nothing repeated.
 - A member SIGKILLed inside a record step's collective: the first gather, the consensus distance's all-reduce or the
   evaluation's (it stops itself there, through the test hook ``live.PAUSE_ENV``: the hook only delays it; the kill
   is real): every survivor completes its next record
@@ -84,3 +85,29 @@ def test_a_member_killed_inside_a_record_collective_costs_seconds_not_comm_timeo
     if collective:  # a survivor was inside that collective when member 2 died
         logs = "".join(log.read_text() for log in (run.run_dir / "logs").glob("*.log")) + run.console
         assert f"{collective}'s all-reduce failed" in logs, f"{run}"
+
+
+@pytest.mark.slow
+def test_a_member_paused_for_seconds_is_absorbed_without_a_change(tmp_path: Path) -> None:
+    """A transient fault, shorter than every bound (a member SIGSTOPped for 4 s, below ``fault_tolerance.detect_s``,
+    10 s, and the record step's floor, 10 s, then SIGCONTinued): the run goes on with the same members, no step
+    repeated, as if nothing happened. The bounds above must not turn a hiccup into a membership change."""
+    paused_at: list[float] = []
+
+    def pause_now(watch: Watch) -> bool:
+        if watch.last_step() < 300:
+            return False
+        paused_at.append(time.monotonic())
+        return True
+
+    def four_seconds_later(watch: Watch) -> bool:
+        pid = watch.workers()[2]
+        return time.monotonic() - paused_at[0] > 4.0 and _stopped(pid)
+
+    run = launch(tmp_path, signals=[Signal(pause_now, signal.SIGSTOP, [2]),
+                                    Signal(four_seconds_later, signal.SIGCONT, [2])])
+    check_trained_to_the_end(run)
+    assert run.members() == [4], f"{run}"
+    assert run.result["membership_changes"] == [], f"{run}"
+    during = [r for r in run.records if r["step"] > run.sent[0][0]]
+    assert during, f"no record after the pause\n{run}"
