@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(config_path)
     run_dir = Path(cfg.run.output_dir) if cfg.run.output_dir else config_path.parent
     live = None
+    stop.install()  # the launcher passes a stop signal on (torchrun's path and launcher/supervisor.py alike)
     if STORE_ENV in os.environ:  # fault_tolerance=live: the launcher's coordinator says who is in the run
         store, member = connect(timedelta(seconds=cfg.pg_timeout_s))
         live = LiveMembership(store, member, timedelta(seconds=cfg.comm_timeout_s))
@@ -43,7 +44,6 @@ def main(argv: list[str] | None = None) -> None:
         device = torch.device("cpu")
         setup_worker_logging(run_dir, member, cfg.logger, name=f"member{member}")  # founders: member id = rank
     else:
-        stop.install()  # live membership: the supervisor stops its workers (launcher/supervisor.py)
         device = init_distributed(cfg.launch.device, timedelta(seconds=cfg.pg_timeout_s))
         setup_worker_logging(run_dir, dist.get_rank(), cfg.logger)
     finished = False

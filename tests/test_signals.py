@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from decent_train.components.checkpoint import complete_checkpoints
+from decent_train.launcher.supervisor import WORKERS_FILE
 from decent_train.training.stop import EXIT_STOPPED, STOP_FILE
 
 from .jobs import COMMAND, worker_pids
@@ -98,7 +99,7 @@ def launch(tmp_path: Path, name: str, args: list[str], ready: Callable[[Path], b
                 send(proc, run_dir)
             time.sleep(0.005)
     finally:
-        workers = worker_pids(run_dir)
+        workers = worker_pids(run_dir) or live_workers(run_dir)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -112,19 +113,26 @@ def launch(tmp_path: Path, name: str, args: list[str], ready: Callable[[Path], b
     return run
 
 
+def live_workers(run_dir: Path) -> dict[int, int]:
+    """member -> pid of every worker a live run's launcher started (it writes them: launcher/supervisor.py)."""
+    with contextlib.suppress(FileNotFoundError):
+        return {int(m): pid for m, pid in json.loads((run_dir / WORKERS_FILE).read_text()).items()}
+    return {}
+
+
 def ctrl_c(proc: subprocess.Popen[bytes], run_dir: Path) -> None:
     os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: its foreground process group
 
 
-def check_stopped(run: Launch, sig: signal.Signals, steps: set[int]) -> int:
+def check_stopped(run: Launch, sig: signal.Signals, steps: set[int], seen: signal.Signals = signal.SIGUSR1) -> int:
     """Exit ``EXIT_STOPPED``, at most 3 console lines and no traceback, every rank's checkpoint at the step the
-    run stopped at (one of ``steps``): the newest complete one."""
+    run stopped at (one of ``steps``): the newest complete one. ``seen``: the signal the workers name."""
     assert run.returncode == EXIT_STOPPED, f"{run}"
     assert run.lines_after <= 3, f"{run.lines_after} lines after the signal\n{run}"
     assert "Traceback" not in run.console and "Error" not in run.console, f"{run}"
     stop = run.stop
     # The launcher passes every stop signal on as SIGUSR1 (the workers' SIGTERM is torchrun's agent's).
-    assert stop["signal"] == signal.SIGUSR1.name and stop["step"] in steps and stop["step"] > run.sent_at, \
+    assert stop["signal"] == seen.name and stop["step"] in steps and stop["step"] > run.sent_at, \
         f"{stop}\n{run}"
     newest = complete_checkpoints(run.run_dir)[0]
     assert newest.step == stop["step"] and sorted(p.name for p in newest.path.glob("rank*.pt")) == [
@@ -174,3 +182,19 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path: Path) -> None:
     assert "Traceback" not in run.console and run.lines_after <= 3, f"{run}"
     assert not (run.run_dir / STOP_FILE).exists() and not complete_checkpoints(run.run_dir), f"{run}"
     assert "stopped by SIGINT at once" in run.console, f"{run}"
+
+
+def test_ctrl_c_stops_a_live_run_with_a_checkpoint_and_resume_goes_on(tmp_path: Path) -> None:
+    """``fault_tolerance=live``: the launcher runs the workers itself (launcher/supervisor.py) and passes the signal
+    on as torchrun's path does: the same stop at an agreed step with a checkpoint, and ``resume=`` finishes the run
+    from there."""
+    first = launch(tmp_path, "live", ["decent-train", "fault_tolerance=live", *JOB], lambda d: last_step(d) >= 20,
+                   ctrl_c)
+    # The live launcher's workers share its process group: a terminal's Ctrl-C reaches them before the forwarded one.
+    step = check_stopped(first, signal.SIGINT, {30, 40}, seen=signal.SIGINT)
+    resumed = subprocess.run([str(COMMAND), *first.go_on_command()[1:], f"hydra.run.dir={tmp_path / 'end'}"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert resumed.returncode == 0, resumed.stderr
+    result = json.loads((tmp_path / "end" / "result.json").read_text())
+    assert (result["resumed_from_step"], result["steps"]) == (step, STEPS), result
+    assert result["eval/accuracy"] >= 0.9, result

@@ -155,17 +155,17 @@ def _train(cfg: TrainConfig, run_dir: Path, config_path: Path) -> float:
     start = time.perf_counter()
     prepare_data(cfg.dataset)  # a download happens once, here, not in every worker
     changes = None
-    if cfg.fault_tolerance.live:
-        changes = run_supervised(cfg, config_path, run_dir)
-    else:
-        (run_dir / STOP_FILE).unlink(missing_ok=True)  # an earlier launch's, into the same directory
-        try:  # a signal: the workers stop at a step they agree on, with a checkpoint (training/stop.py)
+    (run_dir / STOP_FILE).unlink(missing_ok=True)  # an earlier launch's, into the same directory
+    try:  # a signal: the workers stop at a step they agree on, with a checkpoint (training/stop.py)
+        if cfg.fault_tolerance.live:
+            changes, received = run_supervised(cfg, config_path, run_dir)
+        else:
             received = launch_workers(cfg.launch, config_path)
-        except Interrupted as interrupted:  # a second Ctrl-C
-            _exit_stopped(cfg, run_dir, interrupted.sig)
-        stop = Stop.read(run_dir)
-        if stop is not None:  # what this launcher received, else what a worker did (a user's kill, another node's)
-            _exit_stopped(cfg, run_dir, received or signal.Signals[stop.signal])
+    except Interrupted as interrupted:  # a second Ctrl-C
+        _exit_stopped(cfg, run_dir, interrupted.sig)
+    stop = Stop.read(run_dir)
+    if stop is not None:  # what this launcher received, else what a worker did (a user's kill, another node's)
+        _exit_stopped(cfg, run_dir, received or signal.Signals[stop.signal])
     wall = time.perf_counter() - start
     result_path = run_dir / RESULT_FILE
     result = json.loads(result_path.read_text())  # rank 0 wrote it before every worker left (a barrier)

@@ -8,7 +8,9 @@ one coordinator of the membership (no split brain: one writer of plans):
   so that a hung worker cannot come back into a run that has gone on without it), is lost; the next plan has the
   others, and a replacement is started while ``launch.max_restarts`` allows;
 - a replacement that has said hello joins by the next plan, healing from a live member;
-- fewer than ``fault_tolerance.min_workers`` members: a last plan stops the run (the workers save a checkpoint).
+- fewer than ``fault_tolerance.min_workers`` members: a last plan stops the run (the workers save a checkpoint);
+- SIGINT, SIGTERM or SIGUSR1 to the launcher goes on to every worker as torchrun's path does (training/stop.py): they
+  stop at a step they agree on, with a checkpoint, and no replacement is started; a second Ctrl-C kills them.
 
 The workers' side, and the protocol in full: ``training/live.py`` and ``docs/fault-tolerance.md``.
 """
@@ -31,8 +33,15 @@ import torch.distributed as dist
 from loguru import logger
 
 from decent_train.config import TrainConfig
-from decent_train.launcher.launch import AGENT_PID_ENV, WORKER_MODULE, WorkerFailure, default_threads_per_worker
+from decent_train.launcher.launch import (
+    AGENT_PID_ENV,
+    WORKER_MODULE,
+    Interrupted,
+    WorkerFailure,
+    default_threads_per_worker,
+)
 from decent_train.training.live import MEMBER_ENV, STORE_ENV, Keys, Plan
+from decent_train.training.stop import FORWARDED, STOP_SIGNALS
 
 POLL_S = 0.02
 # A founder must say hello within HELLO_K x the time the first founder took (they do the same work), at least
@@ -69,6 +78,7 @@ class Supervisor:
     changes: list[_Change] = field(default_factory=list)
     finished: set[int] = field(default_factory=set)
     lost_at_end: set[int] = field(default_factory=set)  # members lost once another had finished training
+    received: signal.Signals | None = None  # the first stop signal: the workers are stopping
 
     def __post_init__(self) -> None:
         self.ft, self.launch = self.cfg.fault_tolerance, self.cfg.launch
@@ -121,6 +131,7 @@ class Supervisor:
     def run(self) -> list[dict[str, Any]]:
         """Train to the end; the membership changes (``result.json``'s ``membership_changes``). Raises
         :class:`WorkerFailure` if the run cannot go on."""
+        saved = {sig: signal.signal(sig, self._forward) for sig in STOP_SIGNALS}
         for _ in range(self.launch.nproc_per_node):
             self._start_worker()
         try:
@@ -132,7 +143,21 @@ class Supervisor:
                     self._wait_for_exit(worker)
         finally:
             self._stop_all()
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
         return self._summary()
+
+    def _forward(self, signum: int, frame: Any) -> None:
+        """A stop signal: the first goes on to every worker (they stop with a checkpoint); a SIGINT after it kills
+        them at once."""
+        sig = signal.Signals(signum)
+        again = self.received is not None and sig == signal.SIGINT
+        self.received = self.received or sig
+        for worker in self.workers.values():
+            if worker.process.poll() is None:
+                os.kill(worker.process.pid, signal.SIGKILL if again else FORWARDED)
+        if again:
+            raise Interrupted(sig)
 
     def _wait_for_exit(self, worker: _Worker) -> None:
         """A member that finished training exits (the end's barrier, tearing gloo down): within comm_timeout_s and
@@ -270,7 +295,7 @@ class Supervisor:
             return
         self._plan(members, [m for m in members if m not in established], lost)
         for member in lost:
-            if self.restarts_left > 0:
+            if self.restarts_left > 0 and self.received is None:  # not while the run stops on a signal
                 self.restarts_left -= 1
                 replacement = self._start_worker()
                 logger.info(f"member {member} replaced by member {replacement} (restarts left: {self.restarts_left})")
@@ -302,7 +327,9 @@ def _exit(code: int) -> str:
     return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
-def run_supervised(cfg: TrainConfig, config_path: Path, run_dir: Path) -> list[dict[str, Any]]:
-    """Run the job's workers under live membership until they finish; the membership changes."""
+def run_supervised(cfg: TrainConfig, config_path: Path, run_dir: Path
+                   ) -> tuple[list[dict[str, Any]], signal.Signals | None]:
+    """Run the job's workers under live membership until they finish or stop; the membership changes, and the stop
+    signal the launcher received (None: none). Raises :class:`Interrupted` on a second Ctrl-C."""
     supervisor = Supervisor(cfg, config_path, run_dir)
-    return supervisor.run()
+    return supervisor.run(), supervisor.received
