@@ -271,6 +271,14 @@ def test_throughput_puts_aggregate_and_slowest_worker_in_panels_of_their_own(swe
     for job, topology in enumerate(["complete", "ring"]):  # runs that never log the slowest worker: one panel
         write_run(tmp_path / "plain" / str(job), [f"topology={topology}"], 1.0, consensus=False)
     assert len(figures(tmp_path / "plain")["throughput.png"].axes) == 1
+    for job in range(5):  # more runs: the panels one above the other, the runs named once, under the lower
+        write_run(tmp_path / "many" / str(job), [f"topology=t{job}"], 1.0 + job, consensus=job > 0)
+    aggregate, slowest = figures(tmp_path / "many")["throughput.png"].axes
+    assert aggregate.get_position().y0 > slowest.get_position().y1
+    assert not [t for t in aggregate.get_xticklabels() if t.get_visible() and t.get_text()]
+    assert [t.get_text() for t in slowest.get_xticklabels()] == [f"topology=t{job}" for job in range(5)]
+    numbers = [(round(getattr(t, "xy", t.get_position())[0]), t.get_text()) for t in slowest.texts if t.get_text()]
+    assert sorted(numbers) == [(0, "not logged"), (1, "1,950"), (2, "1,300"), (3, "975"), (4, "780")]  # 3900/scale
 
 
 def test_a_run_without_overrides_is_labelled_defaults_not_by_its_time(tmp_path: Path) -> None:

@@ -193,7 +193,7 @@ def header(runs: Sequence[Run], root: Path) -> str:
     common = [o for o in runs[0].overrides if all(o in run.overrides for run in runs[1:])]
     if common:
         lines.append(f"every run: {' '.join(common)}")
-    return "\n".join(textwrap.fill(line, 110, break_long_words=False, break_on_hyphens=False) for line in lines)
+    return "\n".join(lines)
 
 
 def _series(run: Run, x_key: str, y_key: str) -> tuple[list[float], list[float]]:
@@ -246,11 +246,14 @@ def _line_style(i: int, lines: int, points: int) -> dict[str, Any]:
             "linewidth": max(1.0, 2.6 - 0.6 * i), "alpha": 0.9}
 
 
-def _new_figure(title: str, head: str, width: float) -> Figure:
-    """A figure titled by the chart and the sweep; constrained layout keeps the title and legend off the plots."""
-    fig = Figure(figsize=(width, 5.2), layout="constrained")
+def _new_figure(title: str, head: str, width: float, height: float = 5.2) -> Figure:
+    """A figure titled by the chart and the sweep, the header wrapped to the figure's width (about 11 characters an
+    inch at this size); constrained layout keeps the title and legend off the plots."""
+    fig = Figure(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(fig)  # Agg: no display needed
-    fig.suptitle(f"{title}\n{head}", fontsize="medium")
+    wrapped = [textwrap.fill(line, int(11 * width), break_long_words=False, break_on_hyphens=False)
+               for line in head.splitlines()]
+    fig.suptitle("\n".join([title, *wrapped]), fontsize="medium")
     return fig
 
 
@@ -290,7 +293,9 @@ def line_figure(runs: list[Run], chart: LineChart, x_key: str, x_label: str, hea
     ax.set(xlabel=x_label, ylabel=chart.y_label + (" (log scale)" if log and chart.key != "consensus/distance" else ""))
     if chart.key == "consensus/distance":
         ax.yaxis.label.set_fontsize("small")
-    ax.grid(alpha=0.3, which="both" if log else "major")
+    ax.grid(alpha=0.3)
+    if log:
+        ax.grid(alpha=0.1, which="minor")
     _legend(fig, *ax.get_legend_handles_labels())
     return fig
 
@@ -308,8 +313,11 @@ def _bars(ax: Axes, runs: list[Run], key: str, colors: list[str]) -> None:
     """One bar per run, named below and numbered on top; the headroom keeps the numbers inside the axes."""
     values = [throughput(run, key) for run in runs]
     bars = ax.bar(range(len(runs)), [math.nan if v is None else v for v in values], 0.6, color=colors)
-    ax.bar_label(bars, [f"{v:,.0f}" if v is not None else "not logged" for v in values], padding=2, fontsize="small")
+    ax.bar_label(bars, [f"{v:,.0f}" if v is not None else "" for v in values], padding=2, fontsize="small")
+    for x in (x for x, v in enumerate(values) if v is None):  # no bar: say so where it would stand
+        ax.text(x, 0, "not logged", ha="center", va="bottom", fontsize="small")
     ax.set_ylim(0, 1.15 * max((v for v in values if v is not None), default=1.0))
+    ax.set_xlim(-0.5 - max(0.0, (3 - len(runs)) / 2), len(runs) - 0.5 + max(0.0, (3 - len(runs)) / 2))  # 3 wide
     crowded = len(runs) > 3 or max(len(run.label) for run in runs) > 24
     ax.set_xticks(range(len(runs)), [run.label for run in runs], fontsize="small",
                   rotation=20 if crowded else 0, ha="right" if crowded else "center")
@@ -318,8 +326,8 @@ def _bars(ax: Axes, runs: list[Run], key: str, colors: list[str]) -> None:
 
 def throughput_figure(runs: list[Run], head: str) -> Figure | None:
     """Samples/s of all workers together, and of the slowest worker at its own pace, in panels of their own: the
-    two differ by about the worker count, and side by side on one axis the second reads as a straggler. None when no
-    run has either."""
+    two differ by about the worker count, and side by side on one axis the second reads as a straggler. Beside each
+    other for a few runs, one above the other (runs named once, below) for more. None when no run has either."""
     panels = [(THROUGHPUT, "aggregate: all workers together", "samples/s, all workers"),
               (THROUGHPUT_MIN, "per worker: the slowest, at its own pace",
                "samples/s, slowest worker\n(its time waiting for peers left out)")]
@@ -327,8 +335,10 @@ def throughput_figure(runs: list[Run], head: str) -> Figure | None:
     if not panels:
         return None
     color_of = {id(run): f"C{i % 10}" for i, (_, group) in enumerate(seed_groups(runs)) for run in group}
-    fig = _new_figure("Throughput", head, max(8.0, 1.6 * len(runs) * len(panels) + 2))
-    for ax, (key, title, y_label) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
+    stacked = len(runs) > 3
+    fig = _new_figure("Throughput", head, max(8.0, 0.9 * len(runs) + 2) if stacked else 8.0, 8.5 if stacked else 5.2)
+    grid = fig.subplots(len(panels), 1, sharex=True) if stacked else fig.subplots(1, len(panels))
+    for ax, (key, title, y_label) in zip(grid if len(panels) > 1 else [grid], panels):
         _bars(ax, runs, key, [color_of[id(run)] for run in runs])
         ax.set_title(title, fontsize="medium")
         ax.set_ylabel(y_label)
