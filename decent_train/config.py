@@ -136,9 +136,9 @@ class CompressionConfig:
     and ``int8`` send compressed differences to public copies (CHOCO-SGD), which keeps the workers' mean exact."""
 
     name: str = "none"  # none | bf16 | int8
-    consensus_step: float = 1.0  # the step toward the neighbours' public copies (CHOCO's gamma), in (0, 1]
+    consensus_step: float = 1.0  # bf16, int8: the step toward the neighbours' public copies (CHOCO's gamma), in (0, 1]
     int8_block: int = 256  # int8: elements per float32 scale
-    copy_dtype: str = "param"  # a pair's public copies: param (the parameters' dtype) | bf16 (half the memory)
+    copy_dtype: str = "param"  # bf16, int8: a pair's public copies: param (the parameters' dtype) | bf16 (half memory)
 
     def __post_init__(self) -> None:
         if self.name not in ("none", *COMPRESSORS):
@@ -185,8 +185,8 @@ class FaultToleranceConfig:
     replacement heals from a live peer (``training/live.py``; the design: ``docs/fault-tolerance.md``)."""
 
     name: str = "none"
-    detect_s: float = 10.0  # a worker silent this long (hung, stopped) is declared dead and killed
-    min_workers: int = 1  # below this many the run stops, with a checkpoint
+    detect_s: float = 10.0  # live: a worker silent this long (hung, stopped) is declared dead and killed
+    min_workers: int = 1  # live: below this many the run stops, with a checkpoint
 
     def __post_init__(self) -> None:
         if self.name not in FAULT_TOLERANCE:
@@ -219,10 +219,10 @@ class ParallelConfig:
     over the replicas: a rank exchanges its shard with the same shard of the replicas its replica mixes with
     (``algorithms/sharded.py``). 1: every worker holds the whole model (the engine)."""
 
-    shard: int = 1
-    # FSDP2's MixedPrecisionPolicy (shard > 1): none | bf16 (bf16 all-gathers of the parameters, fp32 reduce-scatters
-    # of the gradients: half the all-gather bytes) | bf16-reduce (bf16 reduce-scatters too) | auto: bf16 with
-    # precision=bf16, else none. Autocast alone would all-gather fp32 parameters and cast them after.
+    shard: int = 1  # workers that hold one replica of the model, sharded by FSDP2; 1: each holds all of it
+    # shard!=1: FSDP2's mixed precision: none | bf16 | bf16-reduce | auto (bf16 with precision=bf16, else none). bf16:
+    # bf16 all-gathers of the parameters, fp32 reduce-scatters of the gradients (half the all-gather bytes);
+    # bf16-reduce: bf16 reduce-scatters too. Autocast alone would all-gather fp32 parameters and cast them after.
     mixed_precision: str = "auto"
 
     def __post_init__(self) -> None:
@@ -257,27 +257,32 @@ class TrainConfig:
     """The whole job; its defaults are the default job (``decent-train`` with no overrides)."""
 
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    seed: int = 0
+    seed: int = 0  # the initial model, the batch order and dropout (the data's split: dataset.split_seed)
     steps: int = 0  # optimizer steps; 0: run `epochs` epochs
-    epochs: float = 40.0
+    epochs: float = 40.0  # steps=0: epochs to train (a fraction of one too)
     batch_size: int = 32  # per worker and micro-batch
     global_batch_size: Optional[int] = None  # samples per optimizer step over all workers; sets batch_size to it
     # divided by (workers x accum_steps), so a recipe keeps its batch on any number of workers
     accum_steps: int = 1  # micro-batches per optimizer step
-    grad_clip_norm: float = 0.0  # 0: no clipping
-    label_smoothing: float = 0.0
+    grad_clip_norm: float = 0.0  # the gradients' norm is clipped to this; 0: no clipping
+    label_smoothing: float = 0.0  # the cross-entropy's label smoothing, in [0, 1)
     precision: str = "fp32"  # fp32 | bf16 | fp16: autocast; fp16 also scales the loss (a GradScaler)
-    channels_last: bool = False  # CNNs: NHWC parameters and inputs (faster convolutions on tensor cores)
+    # model=cnn|resnet18|resnet50: NHWC parameters and inputs (faster convolutions on tensor cores)
+    channels_last: bool = False
     compile: bool = False  # torch.compile the model (in place)
     eval_every: int = 100  # optimizer steps between evaluations of the averaged model; 0: only at the end
-    eval_batch_size: int = 512
-    bucket_size_mb: float = 25.0  # the engine's (and DDP's) bucket size
-    message_size_mb: float = 0.0  # gossip pairs send a bucket in messages of this size; 0: one message (see README)
+    eval_batch_size: int = 512  # samples per evaluation batch
+    # algorithm=decentralized|allreduce, parallel.shard=1: the engine's (and DDP's) bucket size
+    bucket_size_mb: float = 25.0
+    # algorithm=decentralized|diloco|localsgd: gossip pairs send a bucket in messages of this size; 0: one message
+    message_size_mb: float = 0.0
     comm_timeout_s: float = 300.0  # a gossip exchange (or the engine's gradient all-reduce) that takes longer fails
     # Any other collective (checkpoints, evaluation, statistics; first-step compilation skew) may take this long:
     pg_timeout_s: float = 1800.0  # the process group's timeout
-    phases: list[PhaseConfig] = field(default_factory=list)  # a schedule of algorithms; empty: `algorithm` throughout
-    global_avg_every: int = 0  # gossip: replace every worker's model by the global average every k steps; 0: never
+    # algorithm=decentralized: a schedule of algorithms; empty: `algorithm` throughout
+    phases: list[PhaseConfig] = field(default_factory=list)
+    # algorithm=decentralized: replace every worker's model by the global average every k steps; 0: never
+    global_avg_every: int = 0
     final_average: bool = True  # the final model (saved) is the workers' average; false: each keeps its own
     resume: Optional[str] = None  # a run directory to continue from (its newest complete checkpoint)
     dry_run: bool = False  # validate, print the topology and the worker command, train nothing
@@ -285,7 +290,8 @@ class TrainConfig:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)  # algorithm=decentralized|diloco|localsgd: gossip
+    # algorithm=decentralized|diloco|localsgd: what gossip sends
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)

@@ -37,10 +37,10 @@ class LocalSGDConfig(AlgorithmConfig):
 
     name: str = "localsgd"
     sync_every: int = 10  # inner steps per outer step (H)
-    fragments: int = 1
-    fragment_sync_delay: int = 0
-    # The outer state (anchors, outer momentum, compressed public copies) in pinned host memory between outer steps,
-    # on the device only for the fragment in flight. null: on when training on CUDA; false keeps it on the device.
+    fragments: int = 1  # parts of the model synced at staggered steps (Streaming DiLoCo); 1: all at once
+    fragment_sync_delay: int = 0  # inner steps between a fragment's exchange and its update
+    # The outer state in pinned host memory between outer steps; null: when training on CUDA; false: on the device.
+    # (The outer state: anchors, outer momentum, compressed public copies; the fragment in flight is on the device.)
     offload: Optional[bool] = None
 
     def __post_init__(self) -> None:
@@ -67,10 +67,10 @@ class DiLoCoConfig(LocalSGDConfig):
     # moves 7x as far as the inner steps did, too far for the default job's AccumAdamW at 3e-3 (ring, H=10, seeds
     # 0/1/2: 0.944/0.852/0.933 accuracy; 0.2: 0.981/0.972/0.986, complete 0.981/0.978/0.986). Set 0.7 with a
     # smaller inner lr (DiLoCo's long periods and large models).
-    outer_lr: float = 0.2
-    outer_momentum: float = 0.9
-    nesterov: bool = True
-    fragment_update_alpha: float = 0.0
+    outer_lr: float = 0.2  # the outer optimizer's learning rate
+    outer_momentum: float = 0.9  # the outer optimizer's momentum
+    nesterov: bool = True  # Nesterov's momentum in the outer optimizer
+    fragment_update_alpha: float = 0.0  # a synced fragment keeps this share of its local parameters
 
     def __post_init__(self) -> None:
         self._check(self.fragment_update_alpha)

@@ -18,10 +18,10 @@ class SlurmConfig:
     """``launch.slurm``: what each job of a SLURM sweep asks for (``-m hydra/launcher=slurm``, which reads these in
     ``conf/hydra/launcher/slurm.yaml``). ``scripts/slurm_train.sbatch`` gets its allocation from sbatch instead."""
 
-    partition: Optional[str] = None  # null: the cluster's default partition
-    account: Optional[str] = None
+    partition: Optional[str] = None  # the partition; null: the cluster's default
+    account: Optional[str] = None  # the account charged; null: yours by default
     time_min: int = 60  # the job's time limit, minutes
-    gpus_per_node: Optional[int] = None  # null: no GPUs (launch=gpu starts one worker per GPU the job gets)
+    gpus_per_node: Optional[int] = None  # GPUs per node; null: none (launch=gpu starts one worker per GPU the job gets)
     cpus_per_task: Optional[int] = None  # CPUs per node (one task per node runs the torchrun agent); null: SLURM's
     mem_gb: Optional[int] = None  # memory per node; null: SLURM's default
 
@@ -43,13 +43,14 @@ class LaunchConfig:
     nnodes: Union[int, str] = 1
     device: str = "cpu"  # cpu (gloo) | cuda (nccl, one GPU per worker) | auto (cuda when available)
     max_restarts: int = 0  # the agent restarts all workers this many times after a failure
-    monitor_interval: float = 0.1  # seconds between the agent's checks of the workers
-    rdzv_endpoint: str = ""  # host:port of the c10d rendezvous; empty: standalone on this node
-    rdzv_id: str = ""  # empty: a fresh id per launch (several nodes must share one)
-    rdzv_last_call_s: int = TORCH_LAST_CALL_S  # once MIN nodes have joined, the rendezvous waits this long for more
-    rdzv_keep_alive_s: int = TORCH_KEEP_ALIVE_S  # agents' heartbeat; a node silent for 3 of them has left
+    monitor_interval: float = 0.1  # fault_tolerance=none: seconds between the agent's checks of the workers
+    rdzv_endpoint: str = ""  # nnodes!=1: host:port of the c10d rendezvous; empty: standalone on this node
+    rdzv_id: str = ""  # nnodes!=1: the rendezvous' id, shared by the nodes; empty: a fresh one per launch
+    # nnodes!=1: once MIN nodes have joined, the rendezvous waits this long for more
+    rdzv_last_call_s: int = TORCH_LAST_CALL_S
+    rdzv_keep_alive_s: int = TORCH_KEEP_ALIVE_S  # nnodes!=1: agents' heartbeat; a node silent for 3 of them has left
     threads_per_worker: Optional[int] = None  # OMP_NUM_THREADS of each worker; null: CPU cores / workers per node
-    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)  # hydra/launcher=slurm: the sweep's allocation
 
     def __post_init__(self) -> None:
         if self.nproc_per_node is not None and self.nproc_per_node < 1:

@@ -33,12 +33,12 @@ class WandbConfig:
     """``logger.wandb``: ``online`` uploads (set project/entity; the API key comes from ``wandb login`` or
     ``WANDB_API_KEY``, never from the config); ``offline`` writes ``RUN_DIR/wandb/`` for ``wandb sync`` later."""
 
-    mode: str = "offline"
-    project: str = "decent-train"
-    entity: Optional[str] = None
-    group: Optional[str] = None  # null: the sweep directory, so the runs of one sweep share a group
-    name: Optional[str] = None  # null: the job's command-line overrides
-    tags: list[str] = field(default_factory=list)
+    mode: str = "offline"  # offline (RUN_DIR/wandb/; `wandb sync` uploads it) | online | disabled
+    project: str = "decent-train"  # the wandb project
+    entity: Optional[str] = None  # the wandb team or user; null: your default entity
+    group: Optional[str] = None  # the run's wandb group; null: the sweep directory (a sweep's runs share it)
+    name: Optional[str] = None  # the run's wandb name; null: the job's command-line overrides
+    tags: list[str] = field(default_factory=list)  # the run's tags
 
     def __post_init__(self) -> None:
         if self.mode not in WANDB_MODES:
@@ -52,10 +52,10 @@ class LoggerConfig:
     log_every: int = 10  # optimizer steps between records
     consensus_every: int = 10  # steps between consensus-distance measurements; 0: never
     consensus_samples: int = 65536  # coordinates the consensus distance is estimated from; 0: all (exact, costly)
-    progress_bar: bool = True  # rank 0, on the console
-    console_level: str = "INFO"  # every rank's file gets DEBUG
+    progress_bar: bool = True  # a progress bar on the console (rank 0's)
+    console_level: str = "INFO"  # the console's level (every rank's file gets DEBUG)
     console_all_ranks: bool = False  # also print the other ranks' messages
-    wandb: WandbConfig = field(default_factory=WandbConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)  # wandb.mode!=disabled: where wandb logs
 
     def __post_init__(self) -> None:
         if self.log_every < 1 or self.consensus_every < 0 or self.consensus_samples < 0:

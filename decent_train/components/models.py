@@ -26,8 +26,8 @@ class ModelConfig:
     name: str = "cnn"
     hidden_sizes: list[int] = field(default_factory=lambda: [128, 128])  # mlp: width of each hidden layer
     channels: list[int] = field(default_factory=lambda: [32, 64])  # cnn: output channels of each conv block
-    dropout: float = 0.0  # mlp, cnn and gpt2
-    small_stem: bool = False  # resnet: 3x3/stride-1 stem conv and no max-pool, for 32x32 inputs such as CIFAR
+    dropout: float = 0.0  # mlp, cnn, gpt2: the dropout probability
+    small_stem: bool = False  # resnet18, resnet50: 3x3/stride-1 stem conv, no max-pool: for 32x32 inputs (CIFAR)
     layers: int = 12  # gpt2: transformer blocks
     heads: int = 12  # gpt2: attention heads per block
     width: int = 768  # gpt2: embedding size

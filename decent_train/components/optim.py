@@ -34,14 +34,14 @@ class OptimConfig:
     """``conf/optim/*.yaml``. Weight decay applies to tensors of 2 or more dimensions only (not biases, norms)."""
 
     name: str = "accum_adamw"
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    beta1: float = 0.9  # adam family
-    beta2: float = 0.999
-    eps: float = 1e-8
+    lr: float = 3e-3  # the learning rate (the schedule's peak)
+    weight_decay: float = 0.1  # on weights only (not biases and norms); decoupled in adamw and accum_adamw
+    beta1: float = 0.9  # adam, adamw, accum_adam, accum_adamw: the first moment's decay
+    beta2: float = 0.999  # adam, adamw, accum_adam, accum_adamw: the second moment's decay
+    eps: float = 1e-8  # adam, adamw, accum_adam, accum_adamw: added to the denominator
     accum_iter: int = 4  # accum_adam, accum_adamw: iterations whose updates AccumAdam accumulates
-    momentum: float = 0.9  # sgd
-    nesterov: bool = False  # sgd
+    momentum: float = 0.9  # sgd: the momentum
+    nesterov: bool = False  # sgd: Nesterov's momentum
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -59,11 +59,11 @@ class SchedulerConfig:
     """``conf/scheduler/*.yaml``: ``cosine`` (linear warmup, then cosine decay to ``min_lr``) or ``constant``."""
 
     name: str = "cosine"
-    warmup_steps: int = 0
-    warmup_epochs: float = 0.0  # used when warmup_steps is 0
-    warmup_fraction: float = 0.05  # used when warmup_steps and warmup_epochs are 0: a share of the run's steps
-    warmup_start: float = 0.01  # the warmup starts at this fraction of the learning rate
-    min_lr: float = 1e-6
+    warmup_steps: int = 0  # cosine: steps of linear warmup; 0: set by warmup_epochs, else warmup_fraction
+    warmup_epochs: float = 0.0  # cosine, warmup_steps=0: epochs of warmup; 0: warmup_fraction decides
+    warmup_fraction: float = 0.05  # cosine, warmup_steps=0, warmup_epochs=0: the warmup's share of the run's steps
+    warmup_start: float = 0.01  # cosine: the warmup starts at this fraction of the learning rate
+    min_lr: float = 1e-6  # cosine: the learning rate the decay ends at
 
     def __post_init__(self) -> None:
         if self.name not in SCHEDULER_NAMES:

@@ -43,6 +43,8 @@ from decent_train.config import (
     check_config,
     node_range,
 )
+from decent_train.launcher import help as help_module
+from decent_train.launcher.help import group_options, help_text
 from decent_train.launcher.launch import (
     Interrupted,
     WorkerFailure,
@@ -81,9 +83,17 @@ def _store_schemas() -> None:
         store.store(group="algorithm_schema", name=name, node=traits.schema)
 
 
+def _help(*, _root_: DictConfig) -> str:
+    """conf/train.yaml's ``hydra.help.template``: the help for the config Hydra composed from the command line."""
+    choices = {k: str(v) for k, v in _root_.hydra.runtime.choices.items() if v}
+    recipes = sorted(p.stem for p in Path(shipped_dir("recipes")).glob("*.yaml"))
+    return help_text(_root_, choices, group_options(Path(shipped_dir("conf"))), recipes)
+
+
 _store_schemas()
 # conf/hydra/launcher/slurm.yaml: a SLURM sweep allocates the most nodes an elastic launch.nnodes=MIN:MAX asks for.
 OmegaConf.register_new_resolver("max_nodes", lambda nnodes: node_range(nnodes)[1], replace=True)
+OmegaConf.register_new_resolver("decent_train_help", _help, replace=True)
 
 
 @hydra.main(version_base="1.3", config_path=shipped_dir("conf"), config_name="train")
@@ -263,10 +273,10 @@ def describe_error(error: BaseException) -> str | None:
 def unparsable_override(word: str, hydra_message: str) -> str:
     """One line for a command-line word that Hydra's override grammar cannot read (``topology ring`` for
     ``topology=ring``): the word, what was expected, and an example built from the word when it names a group."""
-    groups = sorted(p.name for p in Path(shipped_dir("conf")).iterdir() if p.is_dir() and p.name != "hydra")
+    groups = group_options(Path(shipped_dir("conf")))
     key = word.lstrip("+~").partition("=")[0]
     if key in groups:
-        options = sorted(p.stem for p in (Path(shipped_dir("conf")) / key).glob("*.yaml"))
+        options = groups[key]
         default = getattr(getattr(TrainConfig, "__dataclass_fields__", {}).get(key), "default_factory", None)
         chosen = getattr(default(), "name", None) if callable(default) else None
         example = f"{key}={chosen if chosen in options else options[0]}"
@@ -358,6 +368,9 @@ def main() -> None:
     logger.enable("decent_train")  # the package is silent as a library (decent_train/__init__.py), not as a command
     logger.remove()
     logger.add(sys.stderr, level="INFO", format="<green>{time:HH:mm:ss}</green> | <level>{message}</level>")
+    if "--help-all" in sys.argv[1:]:  # every key that applies, not only those most runs set
+        help_module.SHOW_ALL = True
+        sys.argv = [a if a != "--help-all" else "--help" for a in sys.argv]
     sys.argv = with_recipes(sys.argv)
     for sig in (signal.SIGTERM, signal.SIGUSR1):  # before the workers start: stop with one line (below)
         signal.signal(sig, _raise_signal)

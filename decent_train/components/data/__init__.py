@@ -124,20 +124,22 @@ class DatasetConfig:
     name: str = "digits"
     root: Optional[str] = None  # npz, cifar10, cifar100, imagefolder, tokens: the data directory
     download: bool = False  # cifar10, cifar100: fetch into root (once, in the launcher) when it is missing
-    test_fraction: float = 0.2  # digits: share held out for evaluation
-    split_seed: int = 0  # digits, synthetic: the train/test split and the synthetic data do not depend on the run seed
+    test_fraction: float = 0.2  # digits: the share held out for evaluation
+    split_seed: int = 0  # digits, synthetic: the seed of the train/test split and the synthetic data (not `seed`)
     num_samples: int = 8192  # synthetic: training samples (plus a quarter as many test samples)
     input_shape: list[int] = field(default_factory=lambda: [1, 16, 16])  # synthetic: one sample's shape
-    num_classes: int = 10  # synthetic
+    num_classes: int = 10  # synthetic: classes
     noise: float = 2.0  # synthetic: standard deviation around the class centres
-    augment: bool = True  # cifar: random crop (padding 4) and flip; imagefolder: random resized crop and flip
+    # cifar10, cifar100, imagefolder: random crops (cifar's padded by 4, imagefolder's resized) and flips
+    augment: bool = True
     image_size: int = 224  # imagefolder: training crop; evaluation resizes to image_size / 0.875 and centre-crops
     loader_workers: int = 8  # imagefolder: decoding processes per worker
     context_length: int = 1024  # tokens: tokens per sample (the model's context)
     vocab_size: int = 50304  # tokens: every token id must be below it
-    partition: str = "iid"  # iid | shards | dirichlet | classes: how the training set is dealt out (partition.py)
-    alpha: float = 0.5  # dirichlet: the concentration (small: few labels per worker, unequal shard sizes)
-    classes_per_worker: int = 2  # classes: the labels each worker holds
+    # digits, synthetic, npz, cifar10, cifar100: how the training set is dealt out: iid | shards | dirichlet | classes
+    partition: str = "iid"
+    alpha: float = 0.5  # partition=dirichlet: the concentration (small: few labels per worker, unequal shard sizes)
+    classes_per_worker: int = 2  # partition=classes: the labels each worker holds
 
     def __post_init__(self) -> None:
         if self.name not in DATASETS:
