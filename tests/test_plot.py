@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from matplotlib.axis import Axis
 from matplotlib.figure import Figure
+from matplotlib.text import Text
 from omegaconf import OmegaConf
 from PIL import Image
 
@@ -319,3 +321,41 @@ def test_symlinked_run_directories_are_followed(sweep: Path, tmp_path: Path) -> 
     main([str(chosen), "--out", str(tmp_path / "out")])
     assert_pngs(tmp_path / "out", ALL_PNGS)
     assert [run.label for run in load_runs(chosen)] == ["topology=complete", "topology=ring"]
+
+
+def in_view(axis: Axis) -> list[Text]:
+    """The tick labels drawn: matplotlib keeps labels for ticks beyond the axis's ends but does not draw them."""
+    low, high = sorted(axis.get_view_interval())
+    return [tick.label1 for tick in axis.get_major_ticks()
+            if low <= tick.get_loc() <= high and tick.label1.get_visible() and tick.label1.get_text()]
+
+
+def drawn_texts(fig: Figure) -> list[Text]:
+    """Every text the PNG shows: the title, each panel's title, axis labels, ticks, numbers on bars, the legend."""
+    texts = [fig._suptitle] if fig._suptitle is not None else []
+    for ax in fig.axes:
+        texts += [ax.title, ax.xaxis.label, ax.yaxis.label, *ax.texts, *in_view(ax.xaxis), *in_view(ax.yaxis)]
+    texts += [text for legend in fig.legends for text in legend.get_texts()]
+    return [text for text in texts if text.get_visible() and text.get_text()]
+
+
+def test_no_text_leaves_the_figure_or_overlaps(tmp_path: Path) -> None:
+    """Drawn, as the PNG is: the title, labels and legend lie inside the canvas, the runs' names under the bars do
+    not run into each other, and the legend covers no plot. Two runs with long names and many shared overrides."""
+    shared = ["logger.progress_bar=false", "steps=20", "dataset=digits", "model=cnn", "optim.weight_decay=0.05",
+              "batch_size=64", "compression=int8"]
+    for job, topology in enumerate(["complete", "one-peer-exp"]):
+        write_run(tmp_path / str(job), [f"topology={topology}", f"algorithm.sync_every={4 + job}", *shared], 1.0)
+    for name, fig in figures(tmp_path).items():
+        renderer = fig.canvas.get_renderer()
+        fig.canvas.draw()
+        canvas = fig.bbox
+        for text in drawn_texts(fig):
+            box = text.get_window_extent(renderer)
+            assert canvas.x0 - 1 <= box.x0 and box.x1 <= canvas.x1 + 1 and box.y1 <= canvas.y1 + 1, (
+                name, text.get_text())
+        for ax in fig.axes:
+            ticks = [t.get_window_extent(renderer) for t in in_view(ax.xaxis)]
+            assert not any(a.overlaps(b) for i, a in enumerate(ticks) for b in ticks[i + 1:]), name
+            for legend in fig.legends:
+                assert not legend.get_window_extent(renderer).overlaps(ax.get_tightbbox(renderer)), name

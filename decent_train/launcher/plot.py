@@ -247,11 +247,11 @@ def _line_style(i: int, lines: int, points: int) -> dict[str, Any]:
 
 
 def _new_figure(title: str, head: str, width: float, height: float = 5.2) -> Figure:
-    """A figure titled by the chart and the sweep, the header wrapped to the figure's width (about 11 characters an
+    """A figure titled by the chart and the sweep, the header wrapped to the figure's width (about 12 characters an
     inch at this size); constrained layout keeps the title and legend off the plots."""
     fig = Figure(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(fig)  # Agg: no display needed
-    wrapped = [textwrap.fill(line, int(11 * width), break_long_words=False, break_on_hyphens=False)
+    wrapped = [textwrap.fill(line, int(12 * width), break_long_words=False, break_on_hyphens=False)
                for line in head.splitlines()]
     fig.suptitle("\n".join([title, *wrapped]), fontsize="medium")
     return fig
@@ -310,17 +310,17 @@ def throughput(run: Run, key: str) -> float | None:
 
 
 def _bars(ax: Axes, runs: list[Run], key: str, colors: list[str]) -> None:
-    """One bar per run, named below and numbered on top; the headroom keeps the numbers inside the axes."""
+    """One bar per run, named below (an override a line) and numbered on top; the headroom keeps the numbers
+    inside the axes."""
     values = [throughput(run, key) for run in runs]
     bars = ax.bar(range(len(runs)), [math.nan if v is None else v for v in values], 0.6, color=colors)
     ax.bar_label(bars, [f"{v:,.0f}" if v is not None else "" for v in values], padding=2, fontsize="small")
     for x in (x for x, v in enumerate(values) if v is None):  # no bar: say so where it would stand
         ax.text(x, 0, "not logged", ha="center", va="bottom", fontsize="small")
     ax.set_ylim(0, 1.15 * max((v for v in values if v is not None), default=1.0))
-    ax.set_xlim(-0.5 - max(0.0, (3 - len(runs)) / 2), len(runs) - 0.5 + max(0.0, (3 - len(runs)) / 2))  # 3 wide
-    crowded = len(runs) > 3 or max(len(run.label) for run in runs) > 24
-    ax.set_xticks(range(len(runs)), [run.label for run in runs], fontsize="small",
-                  rotation=20 if crowded else 0, ha="right" if crowded else "center")
+    if len(runs) == 1:
+        ax.set_xlim(-1.5, 1.5)  # a lone bar as wide as one of three
+    ax.set_xticks(range(len(runs)), ["\n".join(run.label.split()) for run in runs], fontsize="small")
     ax.grid(axis="y", alpha=0.3)
 
 
@@ -336,7 +336,10 @@ def throughput_figure(runs: list[Run], head: str) -> Figure | None:
         return None
     color_of = {id(run): f"C{i % 10}" for i, (_, group) in enumerate(seed_groups(runs)) for run in group}
     stacked = len(runs) > 3
-    fig = _new_figure("Throughput", head, max(8.0, 0.9 * len(runs) + 2) if stacked else 8.0, 8.5 if stacked else 5.2)
+    # Each run's slot holds its longest override on one line (about 13 small characters an inch).
+    slot = max(1.0, max(len(part) for run in runs for part in run.label.split()) / 13 + 0.3)
+    width = len(runs) * slot + 1.2 if stacked else len(panels) * (len(runs) * slot + 1.2)
+    fig = _new_figure("Throughput", head, max(8.0, width), 8.5 if stacked else 5.2)
     grid = fig.subplots(len(panels), 1, sharex=True) if stacked else fig.subplots(1, len(panels))
     for ax, (key, title, y_label) in zip(grid if len(panels) > 1 else [grid], panels):
         _bars(ax, runs, key, [color_of[id(run)] for run in runs])
