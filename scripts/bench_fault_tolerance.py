@@ -199,7 +199,8 @@ def changes_printed(output: str) -> list[dict[str, Any]]:
     for line in output.splitlines():
         if m := re.search(r"step (\d+): .*lost \(.*continuing on", line):
             changes.append({"step": int(m[1]), "lost": [line.split(": ", 2)[-1]], "joined": [], "from": "output"})
-        elif m := re.search(r"step (\d+): .*joined, healed from rank \d+ \(([\d.]+) MB, ([\d.]+) s\)", line):
+        elif m := re.search(r"step (\d+): .*joined, healed from member \d+ \(rank \d+\) \(([\d.]+) MB, ([\d.]+) s\)",
+                            line):
             changes.append({"step": int(m[1]), "lost": [], "joined": [line.split(": ", 2)[-1]],
                             "heal_mb": float(m[2]), "heal_s": float(m[3]), "from": "output"})
         elif (m := re.search(r"first step after the change, ([\d.]+) s after", line)) and changes:

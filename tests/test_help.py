@@ -16,7 +16,8 @@ import decent_train
 import decent_train.algorithms  # noqa: F401  (registers diloco and localsgd)
 from decent_train.config import ALGORITHM_TRAITS, TrainConfig
 from decent_train.launcher import help as help_module
-from decent_train.launcher.cli import shipped_dir
+from decent_train.components.launch import LaunchConfig
+from decent_train.launcher.cli import _workers, shipped_dir
 
 from .jobs import COMMAND
 from .test_cli_fuzz import check_like_the_cli
@@ -189,3 +190,17 @@ def test_every_condition_names_a_key_or_group_that_exists() -> None:
                 if wrong:
                     problems.append(f"{key}: {condition_key} {sorted(wrong)}")
     assert problems == []
+
+
+# -- how many workers the launcher's lines name -----------------------------------------------------------------------
+@pytest.mark.parametrize(("nnodes", "shard", "world_size", "said"), [
+    (1, 1, None, "4 workers"),
+    (1, 2, None, "4 workers (2 replicas x 2 shards)"),
+    (1, 4, None, "4 workers (1 replicas x 4 shards)"),
+    ("1:2", 2, None, "4 to 8 workers (2 to 4 replicas x 2 shards)"),
+    ("1:2", 2, 4, "4 workers (2 replicas x 2 shards)"),  # the summary: the world the run ended with
+])
+def test_the_start_line_and_summary_name_replicas_and_shards(nnodes: int | str, shard: int, world_size: int | None,
+                                                             said: str) -> None:
+    launch = LaunchConfig(nproc_per_node=4, nnodes=nnodes, rdzv_endpoint="host:29400", rdzv_id="job")
+    assert _workers(launch, shard, world_size) == said

@@ -176,7 +176,8 @@ def test_a_killed_worker_is_dropped_and_the_others_train_to_the_end(tmp_path: Pa
     assert [(lost["rank"], lost["member"]) for lost in change["lost"]] == [(member, member)], f"{run}"
     assert change["lost"][0]["why"] == "killed by SIGKILL" and change["joined"] == [], f"{run}"
     assert change["members"] == 3 and change["step"] > run.sent[0][0], f"{run}"
-    assert re.search(rf"step {change['step']}: rank {member} lost \(killed by SIGKILL\); continuing on 3 workers",
+    assert re.search(rf"step {change['step']}: member {member} \(rank {member}\) lost \(killed by SIGKILL\); "
+                     "continuing on 3 workers",
                      run.console), f"{run}"
     assert run.result["world_size"] == 3, f"{run}"
     assert any("eval/accuracy" in r for r in run.records if r["step"] > change["step"]), f"{run}"  # still evaluated
@@ -205,7 +206,8 @@ def test_a_replacement_joins_and_heals_from_a_survivor(tmp_path: Path) -> None:
     (joined,) = join["joined"]
     assert joined["member"] == 4 and joined["donor_rank"] in range(3), f"{run}"  # a survivor's rank
     assert join["step"] > loss["step"] and join["heal_mb"] > 0, f"{run}"
-    assert re.search(rf"step {join['step']}: 1 worker\(s\) joined, healed from rank {joined['donor_rank']} ",
+    assert re.search(rf"step {join['step']}: member 4 as rank 3 joined, healed from member \d "
+                     rf"\(rank {joined['donor_rank']}\) ",
                      run.console), f"{run}"
     assert run.result["world_size"] == 4, f"{run}"
 
@@ -218,7 +220,8 @@ def test_a_stopped_worker_is_declared_dead_after_detect_s_and_killed(tmp_path: P
     run = launch(tmp_path, "fault_tolerance.detect_s=2", signals=[Signal(at_step(KILL_AT), signal.SIGSTOP, [1])])
     stopped = run.sent[0][1][1]
     assert 1 not in run.outlived and not alive(stopped), f"the stopped worker {stopped} outlived the run\n{run}"
-    assert re.search(r"step \d+: rank 1 lost \(no answer for 2 s\); continuing on 3 workers", run.console), f"{run}"
+    assert re.search(r"step \d+: member 1 \(rank 1\) lost \(no answer for 2 s\); continuing on 3 workers",
+                     run.console), f"{run}"
     check_trained_to_the_end(run)
     assert run.members() == [4, 3], f"{run}"
     (change,) = run.result["membership_changes"]

@@ -40,6 +40,8 @@ def test_the_default_job_sharded_trains_to_095_and_resumes_from_its_dcp_checkpoi
     stdout, stderr = proc.communicate(timeout=400)
     assert victim is not None, f"the run ended before a worker could be killed\n{stderr}"
     assert proc.returncode == 0, stderr
+    assert f"4 workers (2 replicas x 2 shards) on cpu, topology=ring; outputs in {run_dir}" in stderr  # the start line
+    assert "over 4 workers (2 replicas x 2 shards), topology=ring; " in stdout  # the summary
 
     result = json.loads((run_dir / RESULT_FILE).read_text())
     assert result["eval/accuracy"] >= 0.95, result

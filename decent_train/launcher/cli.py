@@ -161,7 +161,7 @@ def _train(cfg: TrainConfig, run_dir: Path, config_path: Path) -> float:
         what += f", compression={cfg.compression.name}"
         if cfg.compression.copy_dtype != "param":
             what += f" (copies in {cfg.compression.copy_dtype})"
-    logger.info(f"{_workers(cfg.launch)} workers on {cfg.launch.device}, {what}; outputs in {run_dir}")
+    logger.info(f"{_workers(cfg.launch, cfg.parallel.shard)} on {cfg.launch.device}, {what}; outputs in {run_dir}")
     start = time.perf_counter()
     prepare_data(cfg.dataset)  # a download happens once, here, not in every worker
     changes = None
@@ -190,7 +190,8 @@ def _train(cfg: TrainConfig, run_dir: Path, config_path: Path) -> float:
         speed = "resumed at the end, evaluated on"
     print(
         f"decent-train: eval/accuracy {result['eval/accuracy']:.4f}, eval/loss {result['eval/loss']:.4f} after "
-        f"{result['steps']} steps; {speed} {result['world_size']} workers ({what}); {wall:.1f} s in all\n"
+        f"{result['steps']} steps; {speed} {_workers(cfg.launch, cfg.parallel.shard, result['world_size'])}, {what}; "
+        f"{wall:.1f} s in all\n"
         f"  outputs: {run_dir}  ({MODEL_FILE}: the {'averaged' if cfg.final_average else 'rank 0'} model's state_dict; "
         f"{METRICS_FILE}, {RESULT_FILE}, logs/)",
         flush=True,
@@ -220,8 +221,10 @@ def _print_dry_run(cfg: TrainConfig, config_path: Path) -> None:
         summary = cfg.schedule()
     elif cfg.gossips:
         summary = cfg.build_topology().describe()
+        if cfg.parallel.shard > 1:
+            summary = f"{_workers(cfg.launch, cfg.parallel.shard)}; the replicas gossip: {summary}"
     else:
-        summary = f"all-reduce (torch DDP) over {_workers(cfg.launch)} workers"
+        summary = f"all-reduce (torch DDP) over {_workers(cfg.launch)}"
     print(f"dry run: nothing trained\n  topology: {summary}\n  config:   {config_path}")
     if cfg.fault_tolerance.live:
         workers = (f"{cfg.launch.nproc_per_node} x python -m decent_train.worker {config_path}, started by "
@@ -231,10 +234,15 @@ def _print_dry_run(cfg: TrainConfig, config_path: Path) -> None:
     print(f"  workers:  {workers}", flush=True)
 
 
-def _workers(launch: LaunchConfig) -> str:
-    """How many workers: ``4``, or an elastic job's range, ``2 to 4``."""
-    sizes = launch.world_sizes
-    return f"{sizes[0]} to {sizes[-1]}" if launch.elastic else str(sizes[0])
+def _workers(launch: LaunchConfig, shard: int = 1, world_size: int | None = None) -> str:
+    """How many workers (``world_size``, else the launch's: ``4 workers``, or an elastic job's range, ``2 to 4
+    workers``), and with ``parallel.shard`` > 1 how they hold the model: ``4 workers (2 replicas x 2 shards)``."""
+    sizes = [world_size] if world_size is not None else launch.world_sizes
+    span = f"{sizes[0]} to {sizes[-1]}" if sizes[0] != sizes[-1] else str(sizes[0])
+    if shard == 1:
+        return f"{span} workers"
+    replicas = f"{sizes[0] // shard} to {sizes[-1] // shard}" if sizes[0] != sizes[-1] else str(sizes[0] // shard)
+    return f"{span} workers ({replicas} replicas x {shard} shards)"
 
 
 _LIST_ENTRIES = {PhaseConfig: "in each entry of phases"}  # list entries: OmegaConf reports no parent key

@@ -84,17 +84,20 @@ class LiveTraining:
             except PlanSuperseded:  # a member was lost during the change: every member starts over at this step
                 continue
         self._rebuild(plan, step, taken, old_world)
-        lost = [f"rank {previous.members.index(m)} lost ({why})" for m, why in live.lost_since(previous.epoch).items()
-                if m in previous.members]
+        # A worker is named by its member id (its logs/member<k>.log, the supervisor's lines), which it keeps; its rank
+        # is its place in the process group, which a change renumbers.
+        lost = [f"member {m} (rank {previous.members.index(m)}) lost ({why})"
+                for m, why in live.lost_since(previous.epoch).items() if m in previous.members]
         world, topology = dist.get_world_size(), job.algo.topology_name
         if lost:
             logger.info(f"step {step}: {', '.join(lost)}; continuing on {world} workers, topology {topology}")
         if plan.joined:
-            donor = rank_of(plan, next(iter(plan.donors.values())))
+            donor = next(iter(plan.donors.values()))
             record |= json.loads(live.store.get(Keys.heal(plan.epoch)))  # the donor's, set before it committed
             heal = f" ({record['heal_mb']:.1f} MB, {record['heal_s']:.2f} s)"
-            logger.info(f"step {step}: {len(plan.joined)} worker(s) joined, healed from rank {donor}{heal}; {world} "
-                        "workers")
+            joined = ", ".join(f"member {m} as rank {rank_of(plan, m)}" for m in plan.joined)
+            logger.info(f"step {step}: {joined} joined, healed from member {donor} (rank {rank_of(plan, donor)})"
+                        f"{heal}; {world} workers")
         record["step"] = step
         self._recovering, self.changed_at = (plan, record), step
 
@@ -117,8 +120,9 @@ class LiveTraining:
         job.data_start = resharded_start(job.data, state["data_taken"], (state["world_size"], job.batch_size),
                                          (dist.get_world_size(), job.batch_size))
         self._regossip()
-        logger.info(f"step {step}: joined as rank {dist.get_rank()} of {dist.get_world_size()}, healed from rank "
-                    f"{rank_of(plan, plan.donors[live.id])} ({nbytes / 2**20:.1f} MB)")
+        donor = plan.donors[live.id]
+        logger.info(f"step {step}: joined as member {live.id}, rank {dist.get_rank()} of {dist.get_world_size()}, "
+                    f"healed from member {donor} (rank {rank_of(plan, donor)}) ({nbytes / 2**20:.1f} MB)")
         self._recovering = (plan, {})
         self.joined = True
         return step
