@@ -382,11 +382,17 @@ class TrainConfig:
 
     def _check_live(self) -> None:
         """What ``fault_tolerance=live`` runs with in this version (each refusal names the reason)."""
-        ft, launch = self.fault_tolerance, self.launch
+        ft, launch, name = self.fault_tolerance, self.launch, self.algorithm.name
+        local_steps = name in ("diloco", "localsgd")  # their outer steps survive a change: docs/fault-tolerance.md
         refusals = [
-            (self.algorithm.name != "decentralized",
-             f"algorithm={self.algorithm.name}: live fault tolerance runs the gossip engine; use "
-             "algorithm=decentralized"),
+            (name != "decentralized" and not local_steps, f"algorithm={name}: live fault tolerance runs the gossip "
+             "engine or local steps' outer steps; use algorithm=decentralized, diloco or localsgd"),
+            (local_steps and getattr(self.algorithm, "fragment_sync_delay", 0) > 0, f"algorithm={name} with "
+             "algorithm.fragment_sync_delay > 0: an exchange in flight across a change is next; leave it 0"),
+            (local_steps and self.compression.name != "none", f"compression={self.compression.name} with algorithm="
+             f"{name}: settling a missed compressed outer message is next; use compression=none"),
+            (local_steps and getattr(self.algorithm, "offload", None) is True, f"algorithm={name} with "
+             "algorithm.offload=true: CPU workers keep their outer state in place; leave algorithm.offload=null"),
             (bool(self.phases), "phases: an all-reduce phase needs every worker; leave phases empty"),
             (self.global_avg_every > 0, f"global_avg_every={self.global_avg_every}: a global average needs every "
              "worker; leave it 0"),

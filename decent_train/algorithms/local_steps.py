@@ -125,6 +125,8 @@ class DiLoCo:
         mesh: DeviceMesh | None = None,
         offload: bool | None = None,
         message_size_in_mb: float = 0.0,
+        fault_tolerant: bool = False,
+        from_rank0: bool = True,
     ):
         count = fragments if isinstance(fragments, int) else len(fragments)
         check_engine_arguments(message_size_in_mb=message_size_in_mb)
@@ -149,14 +151,18 @@ class DiLoCo:
         self.model, self.inner, self.outer, self.sync_every = model, inner, outer, sync_every
         self.period, self.delay, self.alpha = sync_every // count, fragment_sync_delay, fragment_update_alpha
         self.members = Membership(local_world_size, timedelta(seconds=timeout) if timeout is not None else None,
-                                  shard=shard, replicate_group=replicate_group)
-        state = [(n, local_part(t)) for n, t in [*model.named_parameters(), *model.named_buffers()]]
-        self.members.check_same_model(state)
-        self.members.broadcast_from_rank0([t.detach() for _, t in state])  # rank 0's (sharded: replica 0's)
+                                  point_to_point=fault_tolerant, shard=shard, replicate_group=replicate_group)
+        if from_rank0:  # a joiner (live membership) builds alone and loads its donor's state
+            state = [(n, local_part(t)) for n, t in [*model.named_parameters(), *model.named_buffers()]]
+            self.members.check_same_model(state)
+            self.members.broadcast_from_rank0([t.detach() for _, t in state])  # rank 0's (sharded: replica 0's)
         device = next((p.device for _, p in named if p.device.type == "cuda"), torch.device("cpu"))
         self.members.create_exchange_group(device)
         self.topology = self.members.topology(topology)
-        payload = payload_kind(self.anchored, self.topology, compressor is not None)
+        # Live membership sends x+anchor on every topology: a missed message is replaced by the receiver's own
+        # payload, which keeps W' x and W' anchor a row of one matrix (``delta`` assumes equal anchors), and the
+        # payload stays one size whatever topology the members change to.
+        payload = payload_kind(self.anchored, self.topology, compressor is not None or fault_tolerant)
         self.device = device
         self.offloaded = resolve_offload(offload, device) and (offload is not None or sync_every > 1)
         store = HostStore(device) if self.offloaded else None
@@ -177,7 +183,7 @@ class DiLoCo:
             for group in self.groups:
                 group.compress(compressor, mine)
         message_bytes = max(1, int(message_size_in_mb * 2**20)) if message_size_in_mb else 0
-        self.exchange = OuterExchange(self.members, self.topology, consensus_step, message_bytes)
+        self.exchange = OuterExchange(self.members, self.topology, consensus_step, message_bytes, fault_tolerant)
         self.exchange.check_messages(self.groups, message_size_in_mb)
         self.outer_home = OuterStateHome(store, outer) if store is not None and outer is not None else None
         self.inner_steps = 0
@@ -286,6 +292,29 @@ class DiLoCo:
             mixed = state.get("in_flight")
             self._in_flight = (self._start(fragment) if mixed is None
                                else InFlight(fragment, fragment.syncs, [], [], mixed=[m.clone() for m in mixed]))
+
+    def prepare_membership_change(self) -> None:
+        """Live membership, between inner steps: nothing may be in flight (``fragment_sync_delay`` = 0, which the
+        config requires under live: each fragment's exchange starts and ends inside its own outer step)."""
+        if self._in_flight is not None:
+            raise RuntimeError("a membership change with an outer exchange in flight (fragment_sync_delay > 0)")
+
+    @torch.no_grad()
+    def membership_changed(self, topology: TopologySpec, local_world_size: int | None = None) -> None:
+        """Live membership, after the default group was reconfigured (every member, a healed joiner too): the
+        outer steps go on over ``topology`` built over the new members (point to point: no process groups to
+        rebuild; rounds still counted by each fragment's ``syncs``, equal on every member), and the anchors and the
+        outer optimizer's state become their mean over the members (docs/fault-tolerance.md, "Local steps under
+        live membership": equal already after complete outer steps that missed nothing, equal again otherwise)."""
+        self.members.refresh(local_world_size)
+        self.topology = self.members.topology(topology)
+        self.exchange.changed(self.topology)
+        shared = [a for g in self.groups for a in g.anchors]
+        if self.outer is not None:
+            shared += [v for g in self.groups for p in g.owners for v in self.outer.state.get(p, {}).values()
+                       if isinstance(v, Tensor) and v.is_floating_point() and v.dim() > 0]
+        if shared:
+            self.members.average_tensors_(shared, "the anchors' and outer state's average at a membership change")
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:

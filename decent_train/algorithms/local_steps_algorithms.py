@@ -92,8 +92,11 @@ class FrontAlgorithm(Algorithm):
     front: local_steps.DiLoCo
 
     def __init__(
-        self, net: nn.Module, cfg: TrainConfig, schedule: LRSchedulerFn, scaler: torch.amp.GradScaler, steps_taken: int
+        self, net: nn.Module, cfg: TrainConfig, schedule: LRSchedulerFn, scaler: torch.amp.GradScaler, steps_taken: int,
+        from_rank0: bool = True,
     ) -> None:
+        """``from_rank0=False``: a worker joining a running job (live membership), which loads a peer's state."""
+        self.from_rank0 = from_rank0
         self.model = self.net = net  # no wrapper: nothing communicates in backward
         self.scaler, self.grad_clip_norm = scaler, cfg.grad_clip_norm
         self.inner = make_optim_fn(cfg.optim)(list(net.named_parameters()))
@@ -128,6 +131,8 @@ class FrontAlgorithm(Algorithm):
             "timeout": cfg.comm_timeout_s,
             "offload": getattr(cfg.algorithm, "offload", None),
             "message_size_in_mb": cfg.message_size_mb,
+            "fault_tolerant": cfg.fault_tolerance.live,
+            "from_rank0": self.from_rank0,
         }
 
     @property
@@ -160,6 +165,14 @@ class FrontAlgorithm(Algorithm):
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.front.load_state_dict(state["front"])
+
+    def prepare_membership_change(self) -> None:
+        self.front.prepare_membership_change()
+
+    def membership_changed(self, topology: str, local_world_size: int) -> None:
+        """The rule (docs/fault-tolerance.md, "Local steps under live membership"): the front's."""
+        self.front.membership_changed(topology, local_world_size)
+        self._topology_name = topology
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()  # backward never communicates

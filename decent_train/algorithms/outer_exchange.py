@@ -22,13 +22,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from loguru import logger
 from torch import Tensor, nn
 
 from decent_train.algorithms.offload import HostStore
 from decent_train.components.metrics import gossip_bytes_per_step
-from decent_train.engine.comm import CommWaits, peers_must_answer
+from decent_train.engine.comm import CommWaits, PairPoster, first_line, peers_must_answer
 from decent_train.engine.compress import CompressedGossip, Compressor
-from decent_train.engine.exchange import MESSAGE_TAGS, ExchangeBuffers, Exchanger
+from decent_train.engine.exchange import MESSAGE_TAGS, ExchangeBuffers, Exchanger, PeerMessages
 from decent_train.engine.membership import Membership
 from decent_train.engine.topology import Edge, Topology
 
@@ -299,10 +300,20 @@ class OuterExchange:
     round before its overlapped one (``Topology.async_stage``) run when it starts, the ones after it when it
     finishes; both block, as in the engine."""
 
-    def __init__(self, members: Membership, topology: Topology, consensus_step: float, message_bytes: int = 0):
+    def __init__(self, members: Membership, topology: Topology, consensus_step: float, message_bytes: int = 0,
+                 fault_tolerant: bool = False):
         self.members, self.topology = members, topology
-        self.exchanger = Exchanger(members.rank, members.exchange_group, message_bytes, consensus_step)
+        self.exchanger = Exchanger(members.rank, members.exchange_group, message_bytes, consensus_step,
+                                   point_to_point=fault_tolerant)
         self.waits = CommWaits(members.timeout)
+        self.missed: list[tuple[int, int]] = []  # fault_tolerant: (round, peer rank) of each message that never came
+
+    def changed(self, topology: Topology) -> None:
+        """Live membership: the members were renumbered; exchange over ``topology`` (built over them) from now on.
+        A thread still waiting on a dead peer is left behind, as the engine's is."""
+        self.topology = topology
+        self.exchanger.rank = self.members.rank
+        self.exchanger.pairs = PairPoster()
 
     def check_messages(self, groups: list[OuterGroup], message_size_in_mb: float) -> None:
         """A pair sends a group's payload in messages of ``message_bytes`` (a rate-limited link keeps up with small
@@ -339,7 +350,7 @@ class OuterExchange:
         stages, overlapped = self.topology.edges(round_), self.topology.async_stage(round_)
         mixed = []
         for group, value, works in zip(exchange.fragment.groups, exchange.values, exchange.works):
-            self._wait(works, value, round_, stages[overlapped])
+            self._wait(group, works, value, round_, stages[overlapped])
             value = self.exchanger.finish(group.buffers, stages[overlapped], value)
             for edge in stages[overlapped + 1 :]:
                 value = self._stage(group, edge, value, round_)
@@ -373,14 +384,33 @@ class OuterExchange:
 
     def _stage(self, group: OuterGroup, edge: Edge, value: Tensor, round_: int) -> Tensor:
         works = self._post(group, edge, value)
-        self._wait(works, value, round_, edge)
+        self._wait(group, works, value, round_, edge)
         return self.exchanger.finish(group.buffers, edge, value)
 
-    def _wait(self, works: list[Any], value: Tensor, round_: int, edge: Edge) -> None:
-        if works:
+    def _wait(self, group: OuterGroup, works: list[Any], value: Tensor, round_: int, edge: Edge) -> None:
+        if works and self.exchanger.point_to_point:
+            self._wait_each(group, works, value, round_, edge)
+        elif works:
             with peers_must_answer(lambda: f"outer step round {round_}'s exchange with ranks {edge.ranks}",
                                    self.members.timeout):
                 self.waits.wait(works, value.device)
+
+    def _wait_each(self, group: OuterGroup, works: list[PeerMessages], value: Tensor, round_: int, edge: Edge) -> None:
+        """Live membership: each peer's message waited on alone; one that fails (the peer died) is replaced by this
+        worker's own payload (``Exchanger.settle``: its weight stays here, for x and anchor alike) until the members
+        change."""
+        failed = []
+        for messages in works:
+            try:
+                self.waits.wait([messages], value.device)
+            except RuntimeError as error:
+                failed.append(messages)
+                if not any(peer == messages.peer for _, peer in self.missed):
+                    logger.warning(f"rank {self.members.rank}: no message from rank {messages.peer} in outer step "
+                                   f"round {round_}: {first_line(error)}; its weight stays here until the members "
+                                   "change")
+                self.missed.append((round_, messages.peer))
+        self.exchanger.settle(group.buffers, edge, value, failed)
 
     def bytes_per_sync(self, fragments: list[Fragment]) -> float:
         """Bytes this worker sends when every fragment has synced once, averaged over the topology's period."""
