@@ -83,11 +83,16 @@ def assert_pngs(out: Path, names: list[str]) -> None:
             assert image.format == "PNG" and image.width > 0 and image.height > 0
 
 
-def test_sweep_writes_every_chart(sweep: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_sweep_writes_every_chart_and_the_help_names_each(sweep: Path, capsys: pytest.CaptureFixture[str]) -> None:
     main([str(sweep)])
     assert_pngs(sweep / "plots", ALL_PNGS)
     printed = capsys.readouterr().out.splitlines()
     assert sorted(printed) == sorted(str(sweep / "plots" / name) for name in ALL_PNGS)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    shown = capsys.readouterr().out
+    assert all(path.name in shown for path in (sweep / "plots").iterdir()), shown
 
 
 def test_labels_are_the_overrides_that_differ() -> None:
