@@ -60,8 +60,11 @@ def launch(script: Path, ranks: int, log: Path, timeout_s: float, starve: bool) 
         if proc.poll() is None:
             proc.kill()
         code = proc.wait() if time.monotonic() < deadline else -1
-    tail = "" if code == 0 else "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-    return code, tail
+    if code == 0:
+        return code, ""
+    kept = Path(tempfile.gettempdir()) / f"repeat_launches_failed_{os.getpid()}_{log.name}"
+    kept.write_text(log.read_text(errors="replace"))  # the whole log: the failing rank's error is above the tail
+    return code, "\n".join(log.read_text(errors="replace").splitlines()[-15:]) + f"\n(whole log: {kept})"
 
 
 def _starve(agent: int, done: set[tuple[int, int]]) -> None:
