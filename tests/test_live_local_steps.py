@@ -11,8 +11,10 @@ A member lost between outer steps leaves at the next change (a record step E bet
 steps it took since the last outer step are lost with it, and the next outer step's M is the survivors: the mean is
 over them (not over the old world size, and without the lost member's pseudo-gradient). At the change the anchors and
 the outer momentum become their mean over the new members, which after complete outer steps that missed nothing is
-what each already holds. A joiner takes its donor's parameters, inner optimizer state, anchors, outer momentum and
-counters (bit for bit), and starts its inner steps from the donor's current parameters.
+what each already holds; when the lost member's messages were missed in an outer step before E (each survivor mixed
+its own payload in their place), the mean makes them equal again. LocalSGD: the parameters' mean. A joiner takes its
+donor's parameters, inner optimizer state, anchors, outer momentum and counters (bit for bit), and starts its inner
+steps from the donor's current parameters.
 
 How the tests run: the harness of ``test_live_engine.py`` (a store in the parent, one forked process per member, each
 epoch a fresh uuid). The replay here recomputes every survivor's trajectory from the common initial model (rank 0's,
@@ -33,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from decent_train.algorithms.local_steps import DiLoCo
+from decent_train.algorithms.local_steps import DiLoCo, LocalSGD
 from decent_train.algorithms.local_steps_algorithms import FrontAlgorithm
 from decent_train.engine import reconfigure
 from decent_train.training.live import receive_state, send_state
@@ -93,88 +95,132 @@ def leave_together(front: DiLoCo, store: dist.Store, members: list[int], member:
 
 
 # -- test 1: the outer steps after a member is lost follow the rule ---------------------------------------------------
+CHANGES = {"between": CHANGE_STEP, "window": 10, "localsgd": 10}  # E; at 10 the outer step at 8 ran without the victim
+
+
 def _train_through_loss(member: int, store: dist.Store, ctx: dict[str, Any]) -> dict[str, Any]:
     enter_epoch(store, ctx, 0, FOUNDERS, member)
     model = make_model(100 + member)  # the front starts every member from rank 0's (member 0's)
     inner = torch.optim.SGD(model.parameters(), lr=INNER_LR)
-    front = make_front(model, inner, len(FOUNDERS)).__enter__()
+    if ctx["localsgd"]:
+        front: DiLoCo = LocalSGD(model, inner, SYNC_EVERY, "complete", local_world_size=len(FOUNDERS),
+                                 timeout=ENGINE_TIMEOUT_S, fault_tolerant=True)
+        front.__enter__()
+    else:
+        front = make_front(model, inner, len(FOUNDERS)).__enter__()
     for s in range(STEPS):
         if member == VICTIM and s == DIE_STEP:
             die()
-        if s == CHANGE_STEP:
+        if s == ctx["change"]:
             front.prepare_membership_change()
             enter_epoch(store, ctx, 1, SURVIVORS, member)
             front.membership_changed("complete", len(SURVIVORS))
         inner_step(model, inner, member, s)
-    result = front_state(front)
+    result = front_state(front) if not ctx["localsgd"] else {"x": params_of(model), "outer_steps": front.outer_steps}
     result["missed"] = list(front.exchange.missed)
     leave_together(front, store, SURVIVORS, member)
     return result
 
 
-def _replay(variant: str) -> dict[int, dict[str, dict[str, Tensor]]]:
+Params = dict[str, Tensor]
+
+
+def _mean(values: list[Params], divisor: int | None = None) -> Params:
+    return {n: sum(v[n] for v in values) / (divisor or len(values)) for n in values[0]}
+
+
+def _replay(variant: str, change: int, localsgd: bool = False) -> dict[int, dict[str, Params]]:
     """Every survivor's parameters, anchors and outer momentum after STEPS inner steps, by the rule (``right``) or a
     wrong variant: ``old_world`` (the survivors' sum over the old world size), ``lost_included`` (the lost member's
-    pseudo-gradient at its death kept in the mean)."""
+    pseudo-gradient at its death kept in the mean), ``no_average`` (no mean of the anchors and momentum at E).
+    ``localsgd``: the parameters only, each outer step their mean (LocalSGD keeps no anchors).
+
+    Before E a dead member's message is missed: each survivor mixes its own payload in its place (x and anchor).
+    """
     start = params_of(make_model(100 + FOUNDERS[0]))
-    x = {m: copy.deepcopy(start) for m in FOUNDERS}
-    anchor = copy.deepcopy(start)
-    momentum: dict[str, Tensor] = {}
+    x = {m: dict(start) for m in FOUNDERS}
+    anchor = {m: dict(start) for m in FOUNDERS}
+    momentum: dict[int, Params] = {}
     model = make_model(0)
-    lost_delta: dict[str, Tensor] = {}
     for s in range(STEPS):
-        members = FOUNDERS if s < DIE_STEP else SURVIVORS
-        for m in members:
+        alive = FOUNDERS if s < DIE_STEP else SURVIVORS
+        if s == change and variant != "no_average":
+            anchor |= dict.fromkeys(SURVIVORS, _mean([anchor[m] for m in SURVIVORS]))
+            if momentum:
+                momentum |= dict.fromkeys(SURVIVORS, _mean([momentum[m] for m in SURVIVORS]))
+        if s == change and variant == "lost_included":
+            lost = {n: anchor[VICTIM][n] - x[VICTIM][n] for n in start}  # what it held when it died
+        for m in alive:
             with torch.no_grad():
                 for name, p in model.named_parameters():
                     p.copy_(x[m][name])
                     p.grad = None
             loss_of(model, m, s).backward()
             x[m] = {n: x[m][n] - INNER_LR * p.grad for n, p in model.named_parameters()}
-        if s + 1 == CHANGE_STEP and VICTIM in x:
-            lost_delta = {n: anchor[n] - x[VICTIM][n] for n in anchor}
         if (s + 1) % SYNC_EVERY:
             continue
-        deltas = [{n: anchor[n] - x[m][n] for n in anchor} for m in members]
-        divisor = len(members)
-        if s + 1 > CHANGE_STEP and variant == "old_world":
-            divisor = len(FOUNDERS)
-        if s + 1 > CHANGE_STEP and variant == "lost_included":
-            deltas.append(lost_delta)
-            divisor += 1
-        g = {n: sum(d[n] for d in deltas) / divisor for n in anchor}
-        momentum = {n: OUTER_MOMENTUM * momentum[n] + g[n] if n in momentum else g[n].clone() for n in anchor}
-        anchor = {n: anchor[n] - OUTER_LR * (g[n] + OUTER_MOMENTUM * momentum[n]) for n in anchor}
-        for m in members:
-            x[m] = dict(anchor)
-    return {m: {"x": x[m], "anchor": anchor, "momentum": momentum} for m in SURVIVORS}
+        world = FOUNDERS if s < change else SURVIVORS
+        stepped = {}
+        for i in alive:
+            sent = [i if j not in alive else j for j in world]  # a dead member's message: i's own payload
+            if localsgd:
+                stepped[i] = ({}, _mean([x[j] for j in sent], len(FOUNDERS) if variant == "old_world" else None))
+                continue
+            a = _mean([anchor[j] for j in sent])
+            g = _mean([{n: anchor[j][n] - x[j][n] for n in start} for j in sent],
+                      len(FOUNDERS) if variant == "old_world" and s >= change else None)
+            if variant == "lost_included" and s >= change:
+                g = {n: (g[n] * len(sent) + lost[n]) / (len(sent) + 1) for n in start}
+            m_i = {n: OUTER_MOMENTUM * momentum[i][n] + g[n] for n in start} if i in momentum else g
+            stepped[i] = (m_i, {n: a[n] - OUTER_LR * (g[n] + OUTER_MOMENTUM * m_i[n]) for n in start})
+        for i, (m_i, new) in stepped.items():
+            momentum[i], anchor[i], x[i] = m_i, new, dict(new)
+    if localsgd:
+        return {m: {"x": x[m]} for m in SURVIVORS}
+    return {m: {"x": x[m], "anchor": anchor[m], "momentum": momentum[m]} for m in SURVIVORS}
 
 
-def _worst(results: dict[int, dict[str, Any]], replayed: dict[int, dict[str, dict[str, Tensor]]]) -> float:
+def _worst(results: dict[int, dict[str, Any]], replayed: dict[int, dict[str, Params]]) -> float:
     return max((results[m][key][n] - replayed[m][key][n]).abs().max().item()
-               for m in SURVIVORS for key in ("x", "anchor", "momentum") for n in replayed[m][key])
+               for m in SURVIVORS for key in replayed[m] for n in replayed[m][key])
 
 
-@pytest.fixture(scope="module")
-def through_loss() -> dict[int, dict[str, Any]]:
+@pytest.fixture(scope="module", params=list(CHANGES))
+def through_loss(request: pytest.FixtureRequest) -> tuple[str, dict[int, dict[str, Any]]]:
+    """The survivors' results of one run per case (``CHANGES``), shared by the tests of that case."""
     with tempfile.TemporaryDirectory() as workdir:
-        return run_members(_train_through_loss, FOUNDERS, (VICTIM,), workdir)
+        return request.param, run_members(_train_through_loss, FOUNDERS, (VICTIM,), workdir,
+                                          change=CHANGES[request.param], localsgd=request.param == "localsgd")
 
 
-def test_outer_steps_after_a_loss_average_over_the_survivors(through_loss: dict[int, dict[str, Any]]) -> None:
-    """Acceptance 4's replay: every survivor's parameters, anchors and outer momentum after the two outer steps over
-    the survivors equal the rule's float64 replay to 1e-12; no outer message was missed (the victim died between
-    outer steps)."""
-    assert all(r["outer_steps"] == STEPS // SYNC_EVERY and r["missed"] == [] for r in through_loss.values())
-    worst = _worst(through_loss, _replay("right"))
+def test_outer_steps_after_a_loss_average_over_the_survivors(
+    through_loss: tuple[str, dict[int, dict[str, Any]]],
+) -> None:
+    """Acceptance 4's replay: every survivor's parameters, anchors and outer momentum after the outer steps over the
+    survivors equal the rule's float64 replay to 1e-12: the victim dies between the outer steps at 4 and 8 and the
+    members change at 6 (no outer message missed), or at 10 (the outer step at 8 missed the victim's messages, each
+    survivor kept its weight; the mean at E makes the anchors and momentum equal again). LocalSGD, the window case:
+    the parameters' mean over the survivors."""
+    case, results = through_loss
+    change, localsgd = CHANGES[case], case == "localsgd"
+    for r in results.values():
+        assert r["outer_steps"] == STEPS // SYNC_EVERY, r["outer_steps"]
+        assert r["missed"] == ([] if change < 2 * SYNC_EVERY else [(1, FOUNDERS.index(VICTIM))]), r["missed"]
+    worst = _worst(results, _replay("right", change, localsgd))
     assert worst <= TOL, f"the survivors differ from the rule's replay by {worst:.3g}"
+    for key in ("anchor", "momentum") if not localsgd else ():  # complete: equal everywhere after an outer step
+        assert all((results[m][key][n] - results[SURVIVORS[0]][key][n]).abs().max() <= TOL
+                   for m in SURVIVORS for n in results[m][key]), key
 
 
-@pytest.mark.parametrize("variant", ["old_world", "lost_included"])
-def test_a_wrong_rule_deviates(through_loss: dict[int, dict[str, Any]], variant: str) -> None:
-    """The oracle can tell: a replay that averages over the old world size, or keeps the lost member's
-    pseudo-gradient, is far from what the survivors hold."""
-    worst = _worst(through_loss, _replay(variant))
+@pytest.mark.parametrize(("through_loss", "variant"), [("between", "old_world"), ("between", "lost_included"),
+                                                      ("window", "no_average"), ("localsgd", "old_world")],
+                         indirect=["through_loss"])
+def test_a_wrong_rule_deviates(through_loss: tuple[str, dict[int, dict[str, Any]]], variant: str) -> None:
+    """The oracle can tell: a replay that averages over the old world size, keeps the lost member's
+    pseudo-gradient, or skips the mean at E after a missed outer message, is far from what the survivors hold."""
+    case, results = through_loss
+    worst = _worst(results, _replay(variant, CHANGES[case], case == "localsgd"))
     assert worst > 1e-4, f"the wrong variant {variant} is within {worst:.3g} of the survivors"
 
 
