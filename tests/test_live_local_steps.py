@@ -59,10 +59,11 @@ CHANGE_STEP = 6  # E: a record step between the outer steps at 4 and 8
 STEPS = 12  # two outer steps over the survivors (8, 12)
 
 
-def make_front(model: nn.Module, inner: torch.optim.Optimizer, world: int, from_rank0: bool = True) -> DiLoCo:
+def make_front(model: nn.Module, inner: torch.optim.Optimizer, world: int, from_rank0: bool = True,
+               fragments: int = 1) -> DiLoCo:
     outer = torch.optim.SGD(model.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
     return DiLoCo(model, inner, outer, SYNC_EVERY, "complete", local_world_size=world, timeout=ENGINE_TIMEOUT_S,
-                  fault_tolerant=True, from_rank0=from_rank0)
+                  fault_tolerant=True, from_rank0=from_rank0, fragments=fragments)
 
 
 def inner_step(model: nn.Module, inner: torch.optim.Optimizer, member: int, step: int) -> None:
@@ -95,19 +96,24 @@ def leave_together(front: DiLoCo, store: dist.Store, members: list[int], member:
 
 
 # -- test 1: the outer steps after a member is lost follow the rule ---------------------------------------------------
-CHANGES = {"between": CHANGE_STEP, "window": 10, "localsgd": 10}  # E; at 10 the outer step at 8 ran without the victim
+# case: (E, front). At 10 the outer step at 8 ran without the victim; "streaming": 2 fragments, one synced every 2
+# inner steps (fragment 0 at 2, 6, 10; fragment 1 at 4, 8, 12), fragment 0's at 6 without the victim.
+CASES = {"between": (CHANGE_STEP, "diloco"), "window": (10, "diloco"), "localsgd": (10, "localsgd"),
+         "streaming": (CHANGE_STEP, "streaming")}
+FRAGMENTS = [["0.weight", "0.bias"], ["2.weight", "2.bias", "4.weight", "4.bias"]]  # split_parameters' cut, by hand
 
 
 def _train_through_loss(member: int, store: dist.Store, ctx: dict[str, Any]) -> dict[str, Any]:
     enter_epoch(store, ctx, 0, FOUNDERS, member)
     model = make_model(100 + member)  # the front starts every member from rank 0's (member 0's)
     inner = torch.optim.SGD(model.parameters(), lr=INNER_LR)
-    if ctx["localsgd"]:
+    if ctx["kind"] == "localsgd":
         front: DiLoCo = LocalSGD(model, inner, SYNC_EVERY, "complete", local_world_size=len(FOUNDERS),
                                  timeout=ENGINE_TIMEOUT_S, fault_tolerant=True)
         front.__enter__()
     else:
-        front = make_front(model, inner, len(FOUNDERS)).__enter__()
+        front = make_front(model, inner, len(FOUNDERS), fragments=len(FRAGMENTS) if ctx["kind"] == "streaming" else 1)
+        front.__enter__()
     for s in range(STEPS):
         if member == VICTIM and s == DIE_STEP:
             die()
@@ -116,7 +122,8 @@ def _train_through_loss(member: int, store: dist.Store, ctx: dict[str, Any]) -> 
             enter_epoch(store, ctx, 1, SURVIVORS, member)
             front.membership_changed("complete", len(SURVIVORS))
         inner_step(model, inner, member, s)
-    result = front_state(front) if not ctx["localsgd"] else {"x": params_of(model), "outer_steps": front.outer_steps}
+    localsgd = ctx["kind"] == "localsgd"
+    result = front_state(front) if not localsgd else {"x": params_of(model), "outer_steps": front.outer_steps}
     result["missed"] = list(front.exchange.missed)
     leave_together(front, store, SURVIVORS, member)
     return result
@@ -129,14 +136,21 @@ def _mean(values: list[Params], divisor: int | None = None) -> Params:
     return {n: sum(v[n] for v in values) / (divisor or len(values)) for n in values[0]}
 
 
-def _replay(variant: str, change: int, localsgd: bool = False) -> dict[int, dict[str, Params]]:
+def _period(kind: str) -> int:
+    return SYNC_EVERY // len(FRAGMENTS) if kind == "streaming" else SYNC_EVERY
+
+
+def _replay(variant: str, case: str) -> dict[int, dict[str, Params]]:
     """Every survivor's parameters, anchors and outer momentum after STEPS inner steps, by the rule (``right``) or a
     wrong variant: ``old_world`` (the survivors' sum over the old world size), ``lost_included`` (the lost member's
     pseudo-gradient at its death kept in the mean), ``no_average`` (no mean of the anchors and momentum at E).
-    ``localsgd``: the parameters only, each outer step their mean (LocalSGD keeps no anchors).
+    LocalSGD: the parameters only, each outer step their mean (it keeps no anchors); streaming: each outer step
+    steps one fragment's parameters (their momentum only), in turn.
 
     Before E a dead member's message is missed: each survivor mixes its own payload in its place (x and anchor).
     """
+    change, kind = CASES[case]
+    localsgd, period = kind == "localsgd", _period(kind)
     start = params_of(make_model(100 + FOUNDERS[0]))
     x = {m: dict(start) for m in FOUNDERS}
     anchor = {m: dict(start) for m in FOUNDERS}
@@ -157,8 +171,9 @@ def _replay(variant: str, change: int, localsgd: bool = False) -> dict[int, dict
                     p.grad = None
             loss_of(model, m, s).backward()
             x[m] = {n: x[m][n] - INNER_LR * p.grad for n, p in model.named_parameters()}
-        if (s + 1) % SYNC_EVERY:
+        if (s + 1) % period:
             continue
+        names = FRAGMENTS[((s + 1) // period - 1) % len(FRAGMENTS)] if kind == "streaming" else list(start)
         world = FOUNDERS if s < change else SURVIVORS
         stepped = {}
         for i in alive:
@@ -166,15 +181,17 @@ def _replay(variant: str, change: int, localsgd: bool = False) -> dict[int, dict
             if localsgd:
                 stepped[i] = ({}, _mean([x[j] for j in sent], len(FOUNDERS) if variant == "old_world" else None))
                 continue
-            a = _mean([anchor[j] for j in sent])
-            g = _mean([{n: anchor[j][n] - x[j][n] for n in start} for j in sent],
+            a = _mean([{n: anchor[j][n] for n in names} for j in sent])
+            g = _mean([{n: anchor[j][n] - x[j][n] for n in names} for j in sent],
                       len(FOUNDERS) if variant == "old_world" and s >= change else None)
             if variant == "lost_included" and s >= change:
-                g = {n: (g[n] * len(sent) + lost[n]) / (len(sent) + 1) for n in start}
-            m_i = {n: OUTER_MOMENTUM * momentum[i][n] + g[n] for n in start} if i in momentum else g
-            stepped[i] = (m_i, {n: a[n] - OUTER_LR * (g[n] + OUTER_MOMENTUM * m_i[n]) for n in start})
+                g = {n: (g[n] * len(sent) + lost[n]) / (len(sent) + 1) for n in names}
+            held = momentum.get(i, {})
+            m_i = {n: OUTER_MOMENTUM * held[n] + g[n] if n in held else g[n] for n in names}
+            stepped[i] = (m_i, {n: a[n] - OUTER_LR * (g[n] + OUTER_MOMENTUM * m_i[n]) for n in names})
         for i, (m_i, new) in stepped.items():
-            momentum[i], anchor[i], x[i] = m_i, new, dict(new)
+            momentum[i] = {**momentum.get(i, {}), **m_i}
+            anchor[i], x[i] = {**anchor[i], **new}, {**x[i], **new}
     if localsgd:
         return {m: {"x": x[m]} for m in SURVIVORS}
     return {m: {"x": x[m], "anchor": anchor[m], "momentum": momentum[m]} for m in SURVIVORS}
@@ -185,12 +202,12 @@ def _worst(results: dict[int, dict[str, Any]], replayed: dict[int, dict[str, Par
                for m in SURVIVORS for key in replayed[m] for n in replayed[m][key])
 
 
-@pytest.fixture(scope="module", params=list(CHANGES))
+@pytest.fixture(scope="module", params=list(CASES))
 def through_loss(request: pytest.FixtureRequest) -> tuple[str, dict[int, dict[str, Any]]]:
-    """The survivors' results of one run per case (``CHANGES``), shared by the tests of that case."""
+    """The survivors' results of one run per case (``CASES``), shared by the tests of that case."""
     with tempfile.TemporaryDirectory() as workdir:
-        return request.param, run_members(_train_through_loss, FOUNDERS, (VICTIM,), workdir,
-                                          change=CHANGES[request.param], localsgd=request.param == "localsgd")
+        change, kind = CASES[request.param]
+        return request.param, run_members(_train_through_loss, FOUNDERS, (VICTIM,), workdir, change=change, kind=kind)
 
 
 def test_outer_steps_after_a_loss_average_over_the_survivors(
@@ -200,13 +217,16 @@ def test_outer_steps_after_a_loss_average_over_the_survivors(
     survivors equal the rule's float64 replay to 1e-12: the victim dies between the outer steps at 4 and 8 and the
     members change at 6 (no outer message missed), or at 10 (the outer step at 8 missed the victim's messages, each
     survivor kept its weight; the mean at E makes the anchors and momentum equal again). LocalSGD, the window case:
-    the parameters' mean over the survivors."""
+    the parameters' mean over the survivors. Streaming (2 fragments, ``fragment_sync_delay=0``): nothing is in flight
+    at E, each fragment's outer steps follow the rule."""
     case, results = through_loss
-    change, localsgd = CHANGES[case], case == "localsgd"
+    change, kind = CASES[case]
+    localsgd, period = kind == "localsgd", _period(kind)
+    in_window = any(t % period == 0 for t in range(DIE_STEP + 1, change + 1))  # an outer step without the victim
     for r in results.values():
-        assert r["outer_steps"] == STEPS // SYNC_EVERY, r["outer_steps"]
-        assert r["missed"] == ([] if change < 2 * SYNC_EVERY else [(1, FOUNDERS.index(VICTIM))]), r["missed"]
-    worst = _worst(results, _replay("right", change, localsgd))
+        assert r["outer_steps"] == STEPS // period, r["outer_steps"]
+        assert r["missed"] == ([(1, FOUNDERS.index(VICTIM))] if in_window else []), r["missed"]
+    worst = _worst(results, _replay("right", case))
     assert worst <= TOL, f"the survivors differ from the rule's replay by {worst:.3g}"
     for key in ("anchor", "momentum") if not localsgd else ():  # complete: equal everywhere after an outer step
         assert all((results[m][key][n] - results[SURVIVORS[0]][key][n]).abs().max() <= TOL
@@ -214,13 +234,14 @@ def test_outer_steps_after_a_loss_average_over_the_survivors(
 
 
 @pytest.mark.parametrize(("through_loss", "variant"), [("between", "old_world"), ("between", "lost_included"),
-                                                      ("window", "no_average"), ("localsgd", "old_world")],
+                                                      ("window", "no_average"), ("localsgd", "old_world"),
+                                                      ("streaming", "no_average")],
                          indirect=["through_loss"])
 def test_a_wrong_rule_deviates(through_loss: tuple[str, dict[int, dict[str, Any]]], variant: str) -> None:
     """The oracle can tell: a replay that averages over the old world size, keeps the lost member's
     pseudo-gradient, or skips the mean at E after a missed outer message, is far from what the survivors hold."""
     case, results = through_loss
-    worst = _worst(results, _replay(variant, CHANGES[case], case == "localsgd"))
+    worst = _worst(results, _replay(variant, case))
     assert worst > 1e-4, f"the wrong variant {variant} is within {worst:.3g} of the survivors"
 
 
