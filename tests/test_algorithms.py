@@ -1,5 +1,5 @@
 """Adding an algorithm is one module: ``@register(name, traits=...)`` makes the class the one the worker builds for
-``algorithm=name`` and its options a schema the config checks (README, "adding an algorithm")."""
+``algorithm=name`` and its options a schema the config checks (docs/architecture.md, "Adding an algorithm")."""
 
 from __future__ import annotations
 
