@@ -191,6 +191,11 @@ def enter_epoch(store: dist.Store, ctx: dict[str, Any], epoch: int, members: lis
 def finish(engine: DecentralizedDataParallel, store: dist.Store, members: list[int], member: int) -> None:
     """Complete the last exchange in flight, then leave only when every member has (no one's exit cuts a message)."""
     engine.prepare_membership_change()
+    leave_when_all_finished(store, members, member)
+
+
+def leave_when_all_finished(store: dist.Store, members: list[int], member: int) -> None:
+    """Count this member finished and wait for the others (no one's exit cuts a message another still waits for)."""
     store.add("finished", 1)
     deadline = time.monotonic() + TIMEOUT.total_seconds()
     while store.add("finished", 0) < len(members):

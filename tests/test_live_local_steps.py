@@ -26,7 +26,6 @@ from __future__ import annotations
 import copy
 import signal
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +43,8 @@ if not reconfigure.supported():
     pytest.skip("live membership needs torch >= 2.14 (reconfigurable gloo process groups)", allow_module_level=True)
 
 from .test_live_engine import (  # noqa: E402  (after the skip: the harness needs reconfigurable groups)
-    ENGINE_TIMEOUT_S, FOUNDERS, JOINER, SURVIVORS, TIMEOUT, VICTIM, assert_same, die, enter_epoch, loss_of, make_model,
-    params_of, run_members,
+    ENGINE_TIMEOUT_S, FOUNDERS, JOINER, SURVIVORS, VICTIM, assert_same, die, enter_epoch,
+    leave_when_all_finished, loss_of, make_model, params_of, run_members,
 )
 from .test_live_launcher import KILL_AT, Signal, at_step, check_trained_to_the_end, launch  # noqa: E402
 from .test_live_launcher import STEPS as LAUNCH_STEPS  # noqa: E402
@@ -87,12 +86,7 @@ def front_state(front: DiLoCo) -> dict[str, Any]:
 def leave_together(front: DiLoCo, store: dist.Store, members: list[int], member: int) -> None:
     """Leave only when every member is done (no one's exit cuts a message another still waits for)."""
     front.__exit__(None, None, None)
-    store.add("finished", 1)
-    deadline = time.monotonic() + TIMEOUT.total_seconds()
-    while store.add("finished", 0) < len(members):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"member {member}: the others did not finish")
-        time.sleep(0.005)
+    leave_when_all_finished(store, members, member)
 
 
 # -- test 1: the outer steps after a member is lost follow the rule ---------------------------------------------------
