@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -117,9 +118,8 @@ def launch_workers(cfg: LaunchConfig, config_path: Path) -> signal.Signals | Non
     # The agent logs each failure at ERROR; WorkerFailure reports the first one instead.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     os.environ[AGENT_PID_ENV] = str(os.getpid())  # the workers die with this agent (runtime.py: die_with_agent)
-    forward = _Forward()
-    saved = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
-    with _environment(OMP_NUM_THREADS=str(threads), **(ELASTIC_ENV if cfg.elastic else {})):
+    with StopForwarding() as forward, _environment(OMP_NUM_THREADS=str(threads),
+                                                   **(ELASTIC_ENV if cfg.elastic else {})):
         try:
             elastic_launch(elastic, sys.executable)("-u", "-m", WORKER_MODULE, str(config_path))
             return forward.received
@@ -129,18 +129,25 @@ def launch_workers(cfg: LaunchConfig, config_path: Path) -> signal.Signals | Non
             raise _failure(error) from None
         except SignalException as error:
             raise Interrupted(forward.killed or error.sigval) from None
-        finally:
-            for sig, handler in saved.items():
-                signal.signal(sig, handler)
 
 
-class _Forward:
-    """The launcher's handler of the stop signals while its workers run: the first goes on to every worker; a
-    SIGINT after it kills them (SIGKILL) and ends the agent's wait."""
+class StopForwarding:
+    """The launcher's handler of the stop signals while its workers (this process's children running the worker
+    module: torchrun's, or launcher/supervisor.py's own) run: the first goes on to every worker; a SIGINT after it
+    kills them (SIGKILL) and raises SignalException, which ends torchrun's agent's wait. Installed as a context."""
 
     def __init__(self) -> None:
         self.received: signal.Signals | None = None
         self.killed: signal.Signals | None = None
+        self._saved: dict[signal.Signals, Any] = {}
+
+    def __enter__(self) -> StopForwarding:
+        self._saved = {sig: signal.signal(sig, self) for sig in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         sig = signal.Signals(signum)

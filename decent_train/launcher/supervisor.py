@@ -31,17 +31,18 @@ from typing import Any
 
 import torch.distributed as dist
 from loguru import logger
+from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from decent_train.config import TrainConfig
 from decent_train.launcher.launch import (
     AGENT_PID_ENV,
     WORKER_MODULE,
     Interrupted,
+    StopForwarding,
     WorkerFailure,
     default_threads_per_worker,
 )
 from decent_train.training.live import MEMBER_ENV, STORE_ENV, Keys, Plan
-from decent_train.training.stop import FORWARDED, STOP_SIGNALS
 
 POLL_S = 0.02
 # A founder must say hello within HELLO_K x the time the first founder took (they do the same work), at least
@@ -78,7 +79,7 @@ class Supervisor:
     changes: list[_Change] = field(default_factory=list)
     finished: set[int] = field(default_factory=set)
     lost_at_end: set[int] = field(default_factory=set)  # members lost once another had finished training
-    received: signal.Signals | None = None  # the first stop signal: the workers are stopping
+    stopping: StopForwarding = field(default_factory=StopForwarding)  # its ``received``: the workers are stopping
 
     def __post_init__(self) -> None:
         self.ft, self.launch = self.cfg.fault_tolerance, self.cfg.launch
@@ -131,33 +132,21 @@ class Supervisor:
     def run(self) -> list[dict[str, Any]]:
         """Train to the end; the membership changes (``result.json``'s ``membership_changes``). Raises
         :class:`WorkerFailure` if the run cannot go on."""
-        saved = {sig: signal.signal(sig, self._forward) for sig in STOP_SIGNALS}
-        for _ in range(self.launch.nproc_per_node):
-            self._start_worker()
-        try:
-            self._wait_for_founders()
-            while not self._step():
-                time.sleep(POLL_S)
-            for worker in self.workers.values():  # the members exit; a replacement that never joined is stopped
-                if worker.id in self.finished:
-                    self._wait_for_exit(worker)
-        finally:
-            self._stop_all()
-            for sig, handler in saved.items():
-                signal.signal(sig, handler)
+        with self.stopping:  # a stop signal goes on to the workers (launch.py's StopForwarding)
+            for _ in range(self.launch.nproc_per_node):
+                self._start_worker()
+            try:
+                self._wait_for_founders()
+                while not self._step():
+                    time.sleep(POLL_S)
+                for worker in self.workers.values():  # the members exit; a replacement that never joined is stopped
+                    if worker.id in self.finished:
+                        self._wait_for_exit(worker)
+            except SignalException:  # a second Ctrl-C: the workers were killed
+                raise Interrupted(signal.SIGINT) from None
+            finally:
+                self._stop_all()
         return self._summary()
-
-    def _forward(self, signum: int, frame: Any) -> None:
-        """A stop signal: the first goes on to every worker (they stop with a checkpoint); a SIGINT after it kills
-        them at once."""
-        sig = signal.Signals(signum)
-        again = self.received is not None and sig == signal.SIGINT
-        self.received = self.received or sig
-        for worker in self.workers.values():
-            if worker.process.poll() is None:
-                os.kill(worker.process.pid, signal.SIGKILL if again else FORWARDED)
-        if again:
-            raise Interrupted(sig)
 
     def _wait_for_exit(self, worker: _Worker) -> None:
         """A member that finished training exits (the end's barrier, tearing gloo down): within comm_timeout_s and
@@ -295,7 +284,7 @@ class Supervisor:
             return
         self._plan(members, [m for m in members if m not in established], lost)
         for member in lost:
-            if self.restarts_left > 0 and self.received is None:  # not while the run stops on a signal
+            if self.restarts_left > 0 and self.stopping.received is None:  # not while the run stops on a signal
                 self.restarts_left -= 1
                 replacement = self._start_worker()
                 logger.info(f"member {member} replaced by member {replacement} (restarts left: {self.restarts_left})")
@@ -332,4 +321,4 @@ def run_supervised(cfg: TrainConfig, config_path: Path, run_dir: Path
     """Run the job's workers under live membership until they finish or stop; the membership changes, and the stop
     signal the launcher received (None: none). Raises :class:`Interrupted` on a second Ctrl-C."""
     supervisor = Supervisor(cfg, config_path, run_dir)
-    return supervisor.run(), supervisor.received
+    return supervisor.run(), supervisor.stopping.received
