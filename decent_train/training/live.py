@@ -15,7 +15,6 @@ import dataclasses
 import io
 import json
 import os
-import signal
 import statistics
 import threading
 import time
@@ -42,8 +41,8 @@ RECORD_K = 20
 RECORD_FLOOR_S = 10.0
 STEP_SAMPLES = 5
 STEP_WINDOW = 101  # the steps the median is taken over (the latest)
-# Tests: "member:step[:collective]": that member SIGSTOPs itself past the step's barrier, or before the first
-# collective of that step whose description contains ``collective`` (engine/comm.py's stop_before).
+# Tests: "member:step[:collective]": past that step's barrier, that member SIGSTOPs itself before the first collective
+# whose description contains ``collective`` (default: the step's first, a gather) (engine/comm.py's stop_before).
 PAUSE_ENV = "DECENT_TRAIN_TEST_STOP_AFTER_BARRIER"
 
 
@@ -334,10 +333,7 @@ class LiveMembership:
             return False
         change = self._verdict(Keys.barrier(self.plan.epoch, step))
         if self._pause[0] == step:  # tests only: stopped inside the record step, past its barrier
-            if self._pause[1]:
-                comm.stop_before(self._pause[1])
-            else:
-                os.kill(os.getpid(), signal.SIGSTOP)
+            comm.stop_before(self._pause[1])
         return change
 
     def fence(self) -> None:
@@ -431,8 +427,8 @@ def rank_of(plan: Plan, member: int) -> int:
 
 
 def _pause_request(member: int) -> tuple[int, str]:
-    """The step at which tests want this member stopped inside a record step, and before which collective ("":
-    past the barrier) (``PAUSE_ENV``); step -1: none."""
+    """The step at which tests want this member stopped inside a record step, and before which collective (by
+    default the step's first, the gather of ``Recorder.check_finite``) (``PAUSE_ENV``); step -1: none."""
     wanted, _, rest = os.environ.get(PAUSE_ENV, "").partition(":")
     step, _, collective = rest.partition(":")
-    return (int(step), collective) if wanted and int(wanted) == member else (-1, "")
+    return (int(step), collective or "gather") if wanted and int(wanted) == member else (-1, "")
