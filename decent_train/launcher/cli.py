@@ -83,11 +83,15 @@ def _store_schemas() -> None:
         store.store(group="algorithm_schema", name=name, node=traits.schema)
 
 
+def _recipes() -> list[str]:
+    """The recipes ``-cn`` takes (recipes/*.yaml)."""
+    return sorted(p.stem for p in Path(shipped_dir("recipes")).glob("*.yaml"))
+
+
 def _help(*, _root_: DictConfig) -> str:
     """conf/train.yaml's ``hydra.help.template``: the help for the config Hydra composed from the command line."""
     choices = {k: str(v) for k, v in _root_.hydra.runtime.choices.items() if v}
-    recipes = sorted(p.stem for p in Path(shipped_dir("recipes")).glob("*.yaml"))
-    return help_text(_root_, choices, group_options(Path(shipped_dir("conf"))), recipes)
+    return help_text(_root_, choices, group_options(Path(shipped_dir("conf"))), _recipes())
 
 
 _store_schemas()
@@ -238,11 +242,12 @@ def _workers(launch: LaunchConfig, shard: int = 1, world_size: int | None = None
     """How many workers (``world_size``, else the launch's: ``4 workers``, or an elastic job's range, ``2 to 4
     workers``), and with ``parallel.shard`` > 1 how they hold the model: ``4 workers (2 replicas x 2 shards)``."""
     sizes = [world_size] if world_size is not None else launch.world_sizes
-    span = f"{sizes[0]} to {sizes[-1]}" if sizes[0] != sizes[-1] else str(sizes[0])
-    if shard == 1:
-        return f"{span} workers"
-    replicas = f"{sizes[0] // shard} to {sizes[-1] // shard}" if sizes[0] != sizes[-1] else str(sizes[0] // shard)
-    return f"{span} workers ({replicas} replicas x {shard} shards)"
+
+    def span(divisor: int = 1) -> str:
+        low, high = sizes[0] // divisor, sizes[-1] // divisor
+        return f"{low} to {high}" if low != high else str(low)
+
+    return f"{span()} workers" + (f" ({span(shard)} replicas x {shard} shards)" if shard > 1 else "")
 
 
 _LIST_ENTRIES = {PhaseConfig: "in each entry of phases"}  # list entries: OmegaConf reports no parent key
@@ -257,8 +262,7 @@ def describe_error(error: BaseException) -> str | None:
     if isinstance(error, OverrideParseException):
         return unparsable_override(error.override, error.message)
     if isinstance(error, MissingConfigException) and str(error).startswith("Cannot find primary config"):
-        recipes = sorted(p.stem for p in Path(shipped_dir("recipes")).glob("*.yaml"))
-        return f"-cn {error.missing_cfg_file} is not a recipe; valid: {', '.join(recipes)} (or train, the default)"
+        return f"-cn {error.missing_cfg_file} is not a recipe; valid: {', '.join(_recipes())} (or train, the default)"
     if isinstance(error, MissingConfigException) and error.options is not None and error.missing_cfg_file:
         group, _, option = error.missing_cfg_file.rpartition("/")
         return f"{group}={option} is not an option; valid: {', '.join(error.options)}"
