@@ -212,6 +212,7 @@ def field_docs(schema: type) -> dict[str, str]:
 
 def _class_comments(cls: type) -> dict[str, str]:
     source = textwrap.dedent(inspect.getsource(cls))
+    lines = source.splitlines()
     comments: dict[int, str] = {}
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         if token.type == tokenize.COMMENT:
@@ -223,11 +224,11 @@ def _class_comments(cls: type) -> dict[str, str]:
         if not (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)):
             continue
         end = statement.end_lineno or statement.lineno
-        if end in comments and not source.splitlines()[end - 1].lstrip().startswith("#"):
+        if end in comments and not lines[end - 1].lstrip().startswith("#"):
             found[statement.target.id] = comments[end]
             continue
         above, line = [], statement.lineno - 1
-        while line in comments and source.splitlines()[line - 1].lstrip().startswith("#"):
+        while line in comments and lines[line - 1].lstrip().startswith("#"):
             above.insert(0, comments[line])
             line -= 1
         if above:
