@@ -72,7 +72,7 @@ def sampled(malloc: str | None, enough: Callable[[float], bool], tries: int = 3)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc: Linux only")
 def test_a_step_faults_no_page_in_again() -> None:
     # 3 x 4 MB of weight gradients: 3,000 pages per step if they are all mapped afresh; glibc's heuristics map many of
-    # them afresh (650-3,700 per step measured on torch 2.10, 2.13 and 2.14), the engine's setting none.
+    # them afresh (265-3,700 per step measured on torch 2.10, 2.13 and 2.14), the engine's setting none.
     glibc_default = max(sampled("keep", lambda faults: faults > 300))
     kept = min(sampled(None, lambda faults: faults < glibc_default / 10))
     assert glibc_default > 300, f"glibc's defaults no longer fault here ({glibc_default}/step): the test shows nothing"
