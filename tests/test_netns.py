@@ -1,0 +1,265 @@
+"""The node harness (tests/netns.py) against what the kernel reports: sockets between namespaces, the time a round
+trip or a transfer takes against netem's and tbf's settings, processes' namespaces and liveness from /proc, and
+`ip` listings after the block. No training launches: the node tests of issue 39 stand on these."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+
+from .netns import PREFIX, Network, Node, nodes, nodes_available
+
+REASON = nodes_available()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+TIMEOUT_S = 1.0  # a probe's socket timeout: what "the node does not answer" means here
+
+
+def listener(network: Network, node: Node | None) -> socket.socket:
+    """A listening TCP socket on ``node`` (None: the root namespace, the coordinator's place), on a free port."""
+    server = node.socket() if node else socket.socket()
+    server.bind((node.address if node else network.root_address, 0))
+    server.listen()
+    server.settimeout(TIMEOUT_S)
+    return server
+
+
+def connect(client: socket.socket, server: socket.socket) -> socket.socket:
+    """Connect ``client`` to ``server``; the server's end of the connection."""
+    client.settimeout(TIMEOUT_S)
+    client.connect(server.getsockname())
+    conn, _ = server.accept()
+    conn.settimeout(TIMEOUT_S)
+    return conn
+
+
+def round_trip(client: socket.socket, conn: socket.socket) -> float:
+    """Seconds for 4 bytes from the client to the server's end and back (asserting they come back unchanged)."""
+    start = time.monotonic()
+    client.sendall(b"ping")
+    received = conn.recv(4)
+    conn.sendall(received)
+    echoed = client.recv(4)
+    elapsed = time.monotonic() - start
+    assert received == echoed == b"ping"
+    return elapsed
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie (killed, not yet reaped) counts as gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def leftover_names() -> list[str]:
+    """What `ip` lists with the harness's prefix for this process, read here, not through the harness."""
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout.split()
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout.split()
+    mine = f"{PREFIX}{os.getpid()}"
+    return [name for name in namespaces + links if name.startswith(mine)]
+
+
+def test_two_nodes_talk_through_the_switch_and_reach_the_root_namespace() -> None:
+    with nodes(2) as network:
+        a, b = network.nodes
+        server = listener(network, a)
+        client = b.socket()
+        conn = connect(client, server)
+        assert conn.getpeername()[0] == b.address  # the kernel saw it come from b's interface, not from loopback
+        round_trip(client, conn)
+        coordinator = listener(network, None)
+        from_a = a.socket()
+        conn = connect(from_a, coordinator)
+        assert conn.getpeername()[0] == a.address
+        round_trip(from_a, conn)
+
+
+def test_a_process_started_on_a_node_runs_in_its_namespace_and_reaches_the_coordinator() -> None:
+    with nodes(1) as network:
+        (node,) = network.nodes
+        coordinator = listener(network, None)
+        coordinator.settimeout(30)  # the process starts Python first
+        host, port = coordinator.getsockname()
+        proc = node.popen([sys.executable, "-c", f"import socket; socket.create_connection(('{host}', {port}), 10)"
+                                                 ".sendall(b'here')"])
+        conn, (peer, _) = coordinator.accept()
+        conn.settimeout(10)
+        assert conn.recv(4) == b"here" and peer == node.address
+        assert proc.wait(10) == 0
+
+
+@pytest.mark.skipif(nodes_available(delay=True) is not None, reason=nodes_available(delay=True) or "")
+def test_a_round_trip_takes_twice_the_configured_delay() -> None:
+    delay_s = 0.05
+    with nodes(2, delay_ms=delay_s * 1000) as network:
+        a, b = network.nodes
+        server = listener(network, a)
+        client = b.socket()
+        conn = connect(client, server)
+        between_nodes = min(round_trip(client, conn) for _ in range(3))
+        coordinator = listener(network, None)
+        client = a.socket()
+        conn = connect(client, coordinator)
+        to_coordinator = min(round_trip(client, conn) for _ in range(3))
+    for measured in (between_nodes, to_coordinator):  # each way crosses the sender's netem once
+        assert 2 * delay_s <= measured < 2 * delay_s + 0.1, (between_nodes, to_coordinator)
+
+
+def test_a_transfer_takes_as_long_as_the_configured_rate() -> None:
+    rate_mbit, size = 16, 1_000_000
+    burst = max(32 * 1024, rate_mbit * 1e6 / 8 / 100)  # what tbf may send at once (tests/netns.py's _tbf)
+    with nodes(2, rate_mbit=rate_mbit) as network:
+        a, b = network.nodes
+        server = listener(network, b)
+        client = a.socket()
+        conn = connect(client, server)
+        conn.settimeout(10)
+        start = time.monotonic()
+        sender = threading.Thread(target=client.sendall, args=(b"x" * size,))
+        sender.start()
+        received = 0
+        while received < size:
+            received += len(conn.recv(1 << 16))
+        elapsed = time.monotonic() - start
+        sender.join()
+    floor = (size - burst) * 8 / (rate_mbit * 1e6)  # tbf's rate; TCP's headers only add to it
+    assert floor <= elapsed < 2 * floor + 0.5, elapsed
+
+
+def test_a_cut_node_is_silent_both_ways_while_the_others_talk_and_answers_again_when_healed() -> None:
+    with nodes(3) as network:
+        a, b, c = network.nodes
+        on_a, on_c, coordinator = listener(network, a), listener(network, c), listener(network, None)
+        before = b.socket()
+        open_to_a = connect(before, on_a)
+        round_trip(before, open_to_a)
+
+        a.cut()
+        before.sendall(b"ping")  # the kernel takes it: silence, not an error, as in a partition
+        with pytest.raises(TimeoutError):
+            open_to_a.recv(4)
+        with pytest.raises(TimeoutError):
+            connect(b.socket(), on_a)
+        with pytest.raises(TimeoutError):
+            connect(a.socket(), coordinator)  # a has lost the coordinator too
+        b_to_c = b.socket()
+        round_trip(b_to_c, connect(b_to_c, on_c))
+        c_to_coordinator = c.socket()
+        round_trip(c_to_coordinator, connect(c_to_coordinator, coordinator))
+
+        a.heal()
+        b_to_a = b.socket()
+        round_trip(b_to_a, connect(b_to_a, on_a))
+        a_to_coordinator = a.socket()
+        round_trip(a_to_coordinator, connect(a_to_coordinator, coordinator))
+
+
+PARENT_OF_A_SLEEPER = textwrap.dedent("""
+    import subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    print(child.pid, flush=True)
+    time.sleep(60)
+""")
+
+
+def test_kill_ends_every_process_of_the_node_and_no_other() -> None:
+    with nodes(2) as network:
+        a, b = network.nodes
+        parent = a.popen([sys.executable, "-c", PARENT_OF_A_SLEEPER], stdout=subprocess.PIPE, text=True)
+        child = int(parent.stdout.readline())
+        other = b.popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        namespace = os.stat(f"/var/run/netns/{a.namespace}").st_ino
+        for pid in (parent.pid, child):  # both run inside the node's namespace
+            assert os.stat(f"/proc/{pid}/ns/net").st_ino == namespace
+        assert alive(parent.pid) and alive(child)
+
+        a.kill()
+        deadline = time.monotonic() + 5
+        while alive(child) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert parent.returncode == -9
+        assert not alive(child), "the node's agent died but its worker runs on"
+        assert other.poll() is None, "another node's process was killed"
+
+
+def test_nothing_is_left_after_the_block_even_when_it_fails() -> None:
+    with pytest.raises(ZeroDivisionError):
+        with nodes(2) as network:
+            sleeper = network.nodes[0].popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            assert leftover_names()  # the listing does see what the harness made
+            1 / 0
+    assert leftover_names() == []
+    assert not alive(sleeper.pid)
+
+
+def test_a_crashed_runs_leftovers_are_removed_and_a_live_runs_are_not() -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that no longer runs: a run killed before its cleanup
+    crashed, live = f"{PREFIX}{gone.pid}a", f"{PREFIX}{os.getpid()}y"
+    try:
+        for tag in (crashed, live):
+            subprocess.run(["ip", "netns", "add", f"{tag}n0"], check=True)
+            subprocess.run(["ip", "link", "add", f"{tag}r", "type", "veth", "peer", "name", "coord", "netns",
+                            f"{tag}n0"], check=True)
+        with nodes(1):
+            pass
+        namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        assert f"{crashed}n0" not in namespaces and f"{crashed}r" not in links
+        assert f"{live}n0" in namespaces and f"{live}r" in links
+    finally:
+        for tag in (crashed, live):
+            subprocess.run(["ip", "link", "del", f"{tag}r"], capture_output=True)
+            subprocess.run(["ip", "netns", "del", f"{tag}n0"], capture_output=True)
+
+
+def test_a_spare_node_added_mid_run_talks_to_the_others() -> None:
+    with nodes(1) as network:
+        first = network.nodes[0]
+        server = listener(network, first)
+        spare = network.add_node()
+        assert spare.address not in (first.address, network.root_address)
+        client = spare.socket()
+        round_trip(client, connect(client, server))
+
+
+GLOO_RANK = textwrap.dedent("""
+    import sys
+    from datetime import timedelta
+    import torch
+    import torch.distributed as dist
+    host, port, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    store = dist.TCPStore(host, port, 2, is_master=False, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)
+    print(total.item(), flush=True)
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.slow
+def test_gloo_ranks_on_two_nodes_all_reduce_through_a_store_in_the_root_namespace() -> None:
+    """The premise of the node tests: a store where the coordinator runs, and gloo between nodes with ``env()``'s
+    GLOO_SOCKET_IFNAME (without it gloo binds what the hostname resolves to, not the node's interface)."""
+    import torch.distributed as dist
+
+    with nodes(2) as network:
+        store = dist.TCPStore(network.root_address, 0, None, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=30))
+        ranks = [node.popen([sys.executable, "-c", GLOO_RANK, network.root_address, str(store.port), str(rank)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for rank, node in enumerate(network.nodes)]
+        outputs = [rank.communicate(timeout=60) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], [err[-2000:] for _, err in outputs]
+    assert [float(out) for out, _ in outputs] == [3.0, 3.0]  # 1 + 2, each rank's contribution
