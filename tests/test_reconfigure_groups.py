@@ -116,6 +116,23 @@ def _traffic(member: int) -> str:
     raise RuntimeError(f"member {member}: no collective failed within {WAIT_S:g} s")
 
 
+def _build_nccl2_group(port: int) -> None:
+    """Member 5's nccl2 data group, built as ``join`` builds it, without a GPU: what its backend says about it."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=STORE_TIMEOUT)
+    try:
+        dist.init_process_group("gloo", store=store, rank=5, world_size=reconfigure.MAX_MEMBER_IDS,
+                                timeout=OP_TIMEOUT, enable_reconfigure=True)
+        group = reconfigure._reconfigurable_group("nccl2", store, 5, OP_TIMEOUT)
+        backend = group._get_backend(torch.device("cuda"))
+        store.set("nccl2", json.dumps({
+            "backend": type(backend).__name__, "enable_reconfigure": backend.options.enable_reconfigure,
+            "timeout_s": backend.options._timeout.total_seconds(), "handle": dist._get_reconfigure_handle(group),
+            "rank": dist.get_rank(group)}))
+    except BaseException:
+        store.set("nccl2", json.dumps({"error": traceback.format_exc()}))
+    os._exit(0)
+
+
 # -- the parent: store and coordinator -----------------------------------------------------------------------------
 class Coordinator:
     def __init__(self) -> None:
@@ -137,11 +154,13 @@ class Coordinator:
 
     def wait(self, keys: list[str]) -> None:
         deadline = time.monotonic() + WAIT_S
-        while not self.store.check(keys):
+        while True:
+            dead = [m for m, p in self.procs.items() if p.exitcode is not None and m != VICTIM]  # before the keys
+            if self.store.check(keys):
+                return
             errors = [self.store.get(f"error/{m}").decode() for m in self.procs if self.store.check([f"error/{m}"])]
             if errors:
                 raise AssertionError("\n".join(errors))
-            dead = [m for m, p in self.procs.items() if p.exitcode is not None and m != VICTIM]
             if dead or time.monotonic() > deadline:
                 raise AssertionError(f"waiting for {keys}: members {dead} exited; "
                                      f"missing {[k for k in keys if not self.store.check([k])]}")
@@ -201,5 +220,26 @@ def test_both_groups_follow_a_kill_and_a_join() -> None:
             coordinator.procs[member].join(WAIT_S)
             code = coordinator.procs[member].exitcode
             assert code == 0, f"member {member} exited {code}"
+    finally:
+        coordinator.close()
+
+
+@pytest.mark.skipif(not dist.is_backend_available("nccl2"), reason="this torch has no nccl2 backend")
+def test_the_nccl2_data_group_is_built_reconfigurable() -> None:
+    """What a CPU can check of the GPU path: the data group on nccl2 is a ProcessGroupNCCL2 created in the reconfigure
+    regime with join's timeout, hands out an nccl2 handle, and maps ranks like the default group (reconfiguring it
+    needs GPUs: docs/design/live-nccl2.md)."""
+    coordinator = Coordinator()
+    try:
+        child = coordinator.spawn.Process(target=_build_nccl2_group, args=(coordinator.store.port,), daemon=True)
+        coordinator.procs[5] = child
+        child.start()
+        coordinator.wait(["nccl2"])
+        got = json.loads(coordinator.store.get("nccl2"))
+        assert "error" not in got, got.get("error")
+        assert got["handle"].startswith("nccl2:5:"), got["handle"]
+        del got["handle"]
+        assert got == {"backend": "ProcessGroupNCCL2", "enable_reconfigure": True,
+                       "timeout_s": OP_TIMEOUT.total_seconds(), "rank": 5}
     finally:
         coordinator.close()
