@@ -300,14 +300,16 @@ def nodes_available(delay: bool = False) -> str | None:
     except RuntimeError as error:
         return f"cannot make a network namespace: {error}"
     try:
-        for what, command in [
+        pieces = [
             ("a veth pair", ["ip", "-n", probe, "link", "add", "va", "type", "veth", "peer", "name", "vb"]),
             ("a bridge", ["ip", "-n", probe, "link", "add", "br0", "type", "bridge"]),
             ("tc's blackhole qdisc (for cut())", ["tc", "-n", probe, "qdisc", "add", "dev", "va", "root", "blackhole"]),
             ("tc's tbf qdisc (for rate_mbit)", ["tc", "-n", probe, "qdisc", "add", "dev", "vb", "root", *_tbf(10)]),
-            *([("tc's netem qdisc (for delay_ms; kernel module sch_netem)",
-                ["tc", "-n", probe, "qdisc", "replace", "dev", "va", "root", "netem", "delay", "1ms"])] if delay else []),
-        ]:
+        ]
+        if delay:
+            pieces.append(("tc's netem qdisc (for delay_ms; kernel module sch_netem)",
+                           ["tc", "-n", probe, "qdisc", "replace", "dev", "va", "root", "netem", "delay", "1ms"]))
+        for what, command in pieces:
             try:
                 _ip(*command)
             except RuntimeError as error:

@@ -5,6 +5,8 @@ trip or a transfer takes against netem's and tbf's settings, processes' namespac
 from __future__ import annotations
 
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -61,12 +63,11 @@ def alive(pid: int) -> bool:
         return False
 
 
-def leftover_names() -> list[str]:
-    """What `ip` lists with the harness's prefix for this process, read here, not through the harness."""
+def names_of(pid: int) -> list[str]:
+    """What `ip` lists for the run of process ``pid`` (read here, not through the harness)."""
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout.split()
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout.split()
-    mine = f"{PREFIX}{os.getpid()}"
-    return [name for name in namespaces + links if name.startswith(mine)]
+    return [name for name in namespaces + links if re.match(rf"{PREFIX}{pid}[a-z]", name)]
 
 
 def test_two_nodes_talk_through_the_switch_and_reach_the_root_namespace() -> None:
@@ -143,6 +144,7 @@ def test_a_cut_node_is_silent_both_ways_while_the_others_talk_and_answers_again_
         before = b.socket()
         open_to_a = connect(before, on_a)
         round_trip(before, open_to_a)
+        on_the_node = a.popen([sys.executable, "-c", "import time; time.sleep(60)"])
 
         a.cut()
         before.sendall(b"ping")  # the kernel takes it: silence, not an error, as in a partition
@@ -157,6 +159,7 @@ def test_a_cut_node_is_silent_both_ways_while_the_others_talk_and_answers_again_
         c_to_coordinator = c.socket()
         round_trip(c_to_coordinator, connect(c_to_coordinator, coordinator))
 
+        assert on_the_node.poll() is None, "cut() ended a process on the node"
         a.heal()
         b_to_a = b.socket()
         round_trip(b_to_a, connect(b_to_a, on_a))
@@ -196,31 +199,43 @@ def test_nothing_is_left_after_the_block_even_when_it_fails() -> None:
     with pytest.raises(ZeroDivisionError):
         with nodes(2) as network:
             sleeper = network.nodes[0].popen([sys.executable, "-c", "import time; time.sleep(60)"])
-            assert leftover_names()  # the listing does see what the harness made
+            assert names_of(os.getpid())  # the listing does see what the harness made
             1 / 0
-    assert leftover_names() == []
+    assert names_of(os.getpid()) == []
     assert not alive(sleeper.pid)
 
 
-def test_a_crashed_runs_leftovers_are_removed_and_a_live_runs_are_not() -> None:
-    gone = subprocess.Popen(["true"])
-    gone.wait()  # a pid that no longer runs: a run killed before its cleanup
-    crashed, live = f"{PREFIX}{gone.pid}a", f"{PREFIX}{os.getpid()}y"
+A_RUN = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, sys.argv[1])
+    from tests.netns import nodes
+    with nodes(1):
+        print("up", flush=True)
+        time.sleep(60)
+""")
+
+
+def test_an_interrupted_run_cleans_up_and_a_killed_runs_leftovers_go_with_the_next_run() -> None:
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    runs = [subprocess.Popen([sys.executable, "-c", A_RUN, repo], stdout=subprocess.PIPE, text=True)
+            for _ in range(2)]
     try:
-        for tag in (crashed, live):
-            subprocess.run(["ip", "netns", "add", f"{tag}n0"], check=True)
-            subprocess.run(["ip", "link", "add", f"{tag}r", "type", "veth", "peer", "name", "coord", "netns",
-                            f"{tag}n0"], check=True)
+        for run in runs:
+            assert run.stdout.readline() == "up\n"
+        interrupted, killed = runs
+        killed.kill()  # no cleanup of its own can run
+        killed.wait()
+        assert names_of(killed.pid), "a SIGKILLed run leaves its namespaces: the premise"
         with nodes(1):
-            pass
-        namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-        assert f"{crashed}n0" not in namespaces and f"{crashed}r" not in links
-        assert f"{live}n0" in namespaces and f"{live}r" in links
+            assert names_of(killed.pid) == []  # the next run removed them
+            assert names_of(interrupted.pid), "a live run's namespaces were removed"
+        interrupted.send_signal(signal.SIGINT)  # Ctrl-C
+        assert interrupted.wait(10) != 0
+        assert names_of(interrupted.pid) == []
     finally:
-        for tag in (crashed, live):
-            subprocess.run(["ip", "link", "del", f"{tag}r"], capture_output=True)
-            subprocess.run(["ip", "netns", "del", f"{tag}n0"], capture_output=True)
+        for run in runs:
+            run.kill()
+            run.wait()
 
 
 def test_a_spare_node_added_mid_run_talks_to_the_others() -> None:
@@ -248,7 +263,6 @@ GLOO_RANK = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
 def test_gloo_ranks_on_two_nodes_all_reduce_through_a_store_in_the_root_namespace() -> None:
     """The premise of the node tests: a store where the coordinator runs, and gloo between nodes with ``env()``'s
     GLOO_SOCKET_IFNAME (without it gloo binds what the hostname resolves to, not the node's interface)."""
