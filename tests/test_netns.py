@@ -21,7 +21,8 @@ from .netns import PREFIX, Network, Node, nodes, nodes_available
 
 REASON = nodes_available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
-TIMEOUT_S = 1.0  # a probe's socket timeout: what "the node does not answer" means here
+SILENT_S = 1.0  # how long a probe waits where the node must not answer
+ANSWER_S = 10.0  # how long it may wait where the node must answer (a loaded machine; ARP and TCP retrying after heal)
 
 
 def listener(network: Network, node: Node | None) -> socket.socket:
@@ -29,16 +30,16 @@ def listener(network: Network, node: Node | None) -> socket.socket:
     server = node.socket() if node else socket.socket()
     server.bind((node.address if node else network.root_address, 0))
     server.listen()
-    server.settimeout(TIMEOUT_S)
+    server.settimeout(ANSWER_S)
     return server
 
 
-def connect(client: socket.socket, server: socket.socket) -> socket.socket:
-    """Connect ``client`` to ``server``; the server's end of the connection."""
-    client.settimeout(TIMEOUT_S)
+def connect(client: socket.socket, server: socket.socket, timeout_s: float = ANSWER_S) -> socket.socket:
+    """Connect ``client`` to ``server`` within ``timeout_s``; the server's end of the connection."""
+    client.settimeout(timeout_s)
     client.connect(server.getsockname())
     conn, _ = server.accept()
-    conn.settimeout(TIMEOUT_S)
+    conn.settimeout(ANSWER_S)
     return conn
 
 
@@ -113,7 +114,7 @@ def test_a_round_trip_takes_twice_the_configured_delay() -> None:
         conn = connect(client, coordinator)
         to_coordinator = min(round_trip(client, conn) for _ in range(3))
     for measured in (between_nodes, to_coordinator):  # each way crosses the sender's netem once
-        assert 2 * delay_s <= measured < 2 * delay_s + 0.1, (between_nodes, to_coordinator)
+        assert 2 * delay_s <= measured < 2 * delay_s + 0.2, (between_nodes, to_coordinator)
 
 
 def test_a_transfer_takes_as_long_as_the_configured_rate() -> None:
@@ -148,12 +149,13 @@ def test_a_cut_node_is_silent_both_ways_while_the_others_talk_and_answers_again_
 
         a.cut()
         before.sendall(b"ping")  # the kernel takes it: silence, not an error, as in a partition
+        open_to_a.settimeout(SILENT_S)
         with pytest.raises(TimeoutError):
             open_to_a.recv(4)
         with pytest.raises(TimeoutError):
-            connect(b.socket(), on_a)
+            connect(b.socket(), on_a, SILENT_S)
         with pytest.raises(TimeoutError):
-            connect(a.socket(), coordinator)  # a has lost the coordinator too
+            connect(a.socket(), coordinator, SILENT_S)  # a has lost the coordinator too
         b_to_c = b.socket()
         round_trip(b_to_c, connect(b_to_c, on_c))
         c_to_coordinator = c.socket()
@@ -263,6 +265,7 @@ GLOO_RANK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # two processes importing torch: 3 s on an idle machine, 13 s on a loaded one
 def test_gloo_ranks_on_two_nodes_all_reduce_through_a_store_in_the_root_namespace() -> None:
     """The premise of the node tests: a store where the coordinator runs, and gloo between nodes with ``env()``'s
     GLOO_SOCKET_IFNAME (without it gloo binds what the hostname resolves to, not the node's interface)."""
