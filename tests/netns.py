@@ -24,6 +24,14 @@ tells the sender it was sent, so TCP sees silence (retransmits, then a timeout) 
 to the coordinator too, while the node's processes run on. ``ip link set down`` would not do: a local sender gets
 ENETUNREACH at once, which no real partition gives. blackhole is in every kernel with tc (no module such as
 sch_netem, which some kernels lack); iptables is not installed everywhere.
+
+Use (a coordinator in the test's namespace, an agent per node; names from docs/fault-tolerance.md)::
+
+    with nodes(3, delay_ms=1, rate_mbit=1000) as network:
+        endpoint = f"launch.rdzv_endpoint={network.root_address}:{port}"
+        coordinator = subprocess.Popen([..., "fault_tolerance.role=coordinator", endpoint, ...])
+        agents = [node.popen([..., "fault_tolerance.role=agent", endpoint, ...]) for node in network.nodes]
+        network.nodes[2].kill()   # or .cut(), then .heal(); network.add_node() for a spare
 """
 
 from __future__ import annotations
@@ -135,10 +143,11 @@ class Node:
         return {**os.environ, "GLOO_SOCKET_IFNAME": self.interface, "NCCL_SOCKET_IFNAME": self.interface}
 
     def popen(self, argv: Sequence[str], env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
-        """Start ``argv`` inside the namespace, in a process group of its own (what ``kill()`` kills), with
-        ``env()`` updated by ``env``. ``ip netns exec`` execs ``argv`` in place: the Popen's pid is the process's."""
-        proc = subprocess.Popen(["ip", "netns", "exec", self.namespace, *argv], env={**self.env(), **(env or {})},
-                                start_new_session=True, **kwargs)
+        """Start ``argv`` inside the namespace, in a process group of its own (what ``kill()`` kills), with the
+        environment ``env`` (default ``env()``; pass another to test a process's own choice of interface).
+        ``ip netns exec`` execs ``argv`` in place: the Popen's pid is the process's."""
+        proc = subprocess.Popen(["ip", "netns", "exec", self.namespace, *argv],
+                                env=self.env() if env is None else env, start_new_session=True, **kwargs)
         self.processes.append(proc)
         return proc
 
