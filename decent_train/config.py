@@ -176,6 +176,13 @@ class PhaseConfig:
 
 
 FAULT_TOLERANCE = ("none", "live")
+LIVE_ROLES = ("both", "coordinator", "agent")  # fault_tolerance.role
+
+
+def _host_port(address: str) -> bool:
+    """``address`` is HOST:PORT with a port in 1..65535."""
+    host, _, port = address.rpartition(":")
+    return bool(host) and port.isdigit() and 1 <= int(port) <= 65535
 
 
 @dataclass
@@ -185,8 +192,12 @@ class FaultToleranceConfig:
     replacement heals from a live peer (``training/live.py``; the design: ``docs/fault-tolerance.md``)."""
 
     name: str = "none"
-    detect_s: float = 10.0  # live: a worker silent this long (hung, stopped) is declared dead and killed
+    detect_s: float = 10.0  # live: a worker or a node silent this long (hung, stopped, cut off) is declared dead
     min_workers: int = 1  # live: below this many the run stops, with a checkpoint
+    # live: what this launch runs. both: the coordinator (the store and the plans) and this node's agent (its
+    # workers); coordinator: the coordinator alone (a host that does not train); agent: this node's agent, for the
+    # coordinator at launch.rdzv_endpoint (the job is the coordinator's). Several nodes: docs/fault-tolerance.md
+    role: str = "both"
 
     def __post_init__(self) -> None:
         if self.name not in FAULT_TOLERANCE:
@@ -195,6 +206,11 @@ class FaultToleranceConfig:
             raise ValueError(f"fault_tolerance.detect_s={self.detect_s} must be > 0 seconds")
         if self.min_workers < 1:
             raise ValueError(f"fault_tolerance.min_workers={self.min_workers} must be >= 1")
+        if self.role not in LIVE_ROLES:
+            raise ValueError(f"fault_tolerance.role={self.role!r}; valid: {', '.join(LIVE_ROLES)}")
+        if self.role != "both" and not self.live:
+            raise ValueError(f"fault_tolerance.role={self.role} is live mode's; set fault_tolerance=live, or leave "
+                             "fault_tolerance.role=both")
 
     @property
     def live(self) -> bool:
@@ -398,8 +414,11 @@ class TrainConfig:
              "worker; leave it 0"),
             (launch.device != "cpu", f"launch.device={launch.device}: live membership changes reconfigure gloo "
              "groups (CPU workers); use launch.device=cpu"),
-            (launch.max_nodes > 1, f"launch.nnodes={launch.nnodes}: live fault tolerance runs the workers of one "
-             "node under one supervisor; use launch.nnodes=1"),
+            (ft.role != "both" and not launch.rdzv_endpoint, f"fault_tolerance.role={ft.role}: the agents reach "
+             "the coordinator at launch.rdzv_endpoint; set launch.rdzv_endpoint=HOST:PORT (the coordinator's host, "
+             "the same on every node)"),
+            (bool(launch.rdzv_endpoint) and not _host_port(launch.rdzv_endpoint), f"launch.rdzv_endpoint="
+             f"{launch.rdzv_endpoint}: the coordinator's store; valid: HOST:PORT with a port in 1..65535"),
             (self.precision == "fp16", "precision=fp16: the workers' overflow agreement is a collective of every "
              "worker, which a dead member fails on all the others; use precision=bf16 or fp32"),
             (launch.monitor_interval != _default(LaunchConfig, "monitor_interval"),
@@ -410,10 +429,11 @@ class TrainConfig:
         for refused, why in refusals:
             if refused:
                 raise ValueError(f"fault_tolerance=live with {why}")
-        if launch.nproc_per_node is not None and ft.min_workers > launch.nproc_per_node:
+        launched = None if launch.nproc_per_node is None else launch.nproc_per_node * launch.min_nodes
+        if launched is not None and ft.min_workers > launched:
             raise ValueError(
-                f"fault_tolerance.min_workers={ft.min_workers} is more than the {launch.nproc_per_node} workers "
-                "launched; valid: 1.." + str(launch.nproc_per_node)
+                f"fault_tolerance.min_workers={ft.min_workers} is more than the {launched} workers "
+                f"launched; valid: 1..{launched}"
             )
 
     def _check_sharded(self) -> None:
@@ -558,11 +578,17 @@ class TrainConfig:
             raise ValueError(f"over {replicas} replicas (parallel.shard={shard}): {error}") from None
         return ShardedTopology(base, shard, rank=0)
 
-    def live_topology(self, world_size: int) -> tuple[str, int]:
-        """``fault_tolerance=live`` (one node): (topology, workers per node) gossiped over by ``world_size``
-        members: ``topology.name`` if it serves that many, else ring."""
+    def live_topology(self, world_size: int, members_per_node: list[int] | None = None) -> tuple[str, int]:
+        """``fault_tolerance=live``: (topology, workers per node) gossiped over by ``world_size`` members, whose
+        nodes hold ``members_per_node`` (the plan's, in rank order; None: one node): ``topology.name`` if it serves
+        them, else ring. Nodes of one size keep their structure (a whole node lost leaves them so); nodes of
+        different sizes (a worker lost, not its node) are laid out as one node."""
         configured = self.topology.local_world_size
-        local = world_size if configured is None or configured >= world_size else configured
+        sizes = members_per_node or [world_size]
+        if len(sizes) > 1 and len(set(sizes)) == 1:
+            local = configured if configured and sizes[0] % configured == 0 else sizes[0]
+        else:
+            local = world_size if configured is None or configured >= world_size else configured
         try:
             build_topology(self.topology.name, world_size, local)
         except ValueError:

@@ -55,7 +55,8 @@ from decent_train.launcher.launch import (
     torchrun_command,
 )
 from decent_train.launcher.preflight import preflight
-from decent_train.launcher.supervisor import run_supervised
+from decent_train.launcher.node_agent import run_agent
+from decent_train.launcher.supervisor import agent_command, run_supervised
 from decent_train.training.stop import EXIT_STOPPED, STOP_FILE, Stop
 
 
@@ -138,6 +139,8 @@ def _check_and_launch(cfg: DictConfig) -> float | None:
         # One Hydra job on each node of a SLURM allocation (hydra/launcher=slurm with launch.nnodes > 1).
         cfg.launch.rdzv_endpoint, cfg.launch.rdzv_id = slurm_rendezvous()
     train_cfg = check_config(cfg)
+    if train_cfg.fault_tolerance.live and train_cfg.fault_tolerance.role == "agent":
+        return _run_agent(train_cfg, run_dir)
     preflight(train_cfg)
     config_path = run_dir / RESOLVED_CONFIG
     resolved = OmegaConf.structured(train_cfg)
@@ -152,6 +155,23 @@ def _check_and_launch(cfg: DictConfig) -> float | None:
         return _train(train_cfg, run_dir, config_path)
     finally:
         logger.remove(sink)
+
+
+def _run_agent(cfg: TrainConfig, run_dir: Path) -> None:
+    """``fault_tolerance.role=agent``: this node's workers for the coordinator at ``launch.rdzv_endpoint``, which
+    checked the job and writes its results; this launch ends when the coordinator ends the run."""
+    if cfg.dry_run:
+        print(f"dry run: nothing trained\n  workers:  {cfg.launch.nproc_per_node} x python -m decent_train.worker, "
+              f"started by this node's agent for the coordinator at {cfg.launch.rdzv_endpoint} (its job)", flush=True)
+        return None
+    sink = logger.add(run_dir / "launcher.log", level="DEBUG")
+    try:
+        run_agent(cfg, run_dir)
+    finally:
+        logger.remove(sink)
+    print(f"decent-train: node agent done (coordinator {cfg.launch.rdzv_endpoint}); outputs in the coordinator's "
+          "run directory", flush=True)
+    return None
 
 
 def _train(cfg: TrainConfig, run_dir: Path, config_path: Path) -> float:
@@ -230,7 +250,10 @@ def _print_dry_run(cfg: TrainConfig, config_path: Path) -> None:
     else:
         summary = f"all-reduce (torch DDP) over {_workers(cfg.launch)}"
     print(f"dry run: nothing trained\n  topology: {summary}\n  config:   {config_path}")
-    if cfg.fault_tolerance.live:
+    if cfg.fault_tolerance.live and cfg.fault_tolerance.role == "coordinator":
+        workers = (f"none here: this launch is the coordinator alone; on each node: "
+                   f"{agent_command(cfg, cfg.launch.rdzv_endpoint)}")
+    elif cfg.fault_tolerance.live:
         workers = (f"{cfg.launch.nproc_per_node} x python -m decent_train.worker {config_path}, started by "
                    "decent-train itself (fault_tolerance=live: it hosts their store and decides who is in the run)")
     else:

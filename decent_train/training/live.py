@@ -33,8 +33,7 @@ from decent_train.engine.comm import ExchangeError
 STORE_ENV = "DECENT_TRAIN_STORE"  # host:port of the coordinator's store
 MEMBER_ENV = "DECENT_TRAIN_MEMBER_ID"  # this worker's stable id (never reused in a run)
 HEARTBEAT_S = 0.1  # how often a worker beats and looks for a newer plan
-POLL_S = 0.002  # the first pause between two looks at the store while waiting ...
-POLL_MAX_S = 0.05  # ... doubling up to this (a long wait costs the store 20 requests a second per member)
+FOREVER_S = 10 * 365 * 86400.0  # a wait that only its key ends
 # The record step's collectives (docs/fault-tolerance.md, "Every wait has a bound"): RECORD_K x the median step time
 # measured so far, at least RECORD_FLOOR_S, at most comm_timeout_s (also before STEP_SAMPLES steps are measured).
 RECORD_K = 20
@@ -51,19 +50,26 @@ class WaitTimeout(RuntimeError):
     declares it lost."""
 
 
-def _backoff() -> Iterator[None]:
-    """Pauses between two looks at the store: POLL_S, doubling up to POLL_MAX_S."""
-    pause = POLL_S
-    while True:
-        yield
-        time.sleep(pause)
-        pause = min(2 * pause, POLL_MAX_S)
+def wait_for_key(store: dist.Store, key: str, deadline: float) -> bool:
+    """Block in the store until ``key`` is set (True) or ``deadline`` (``time.monotonic()``) passes (False). One
+    request, answered the moment the key is set: no polling. Every key waited on is set by whoever ends the wait (a
+    verdict, a commit's outcome, the next plan), so a wait runs to its deadline only when something is wrong."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        return store.check([key])
+    try:
+        store.wait([key], timedelta(seconds=remaining))
+    except dist.DistStoreError:  # the deadline: the caller names the bound
+        return store.check([key])
+    return True
 
 
 class Keys:
-    """The store's keys (the coordinator, launcher/supervisor.py, writes the plans; the workers the rest)."""
+    """The store's keys a worker uses (the coordinator, launcher/coordinator.py, writes the plans; the workers the
+    rest; the node agents' own keys: ``coordinator.NodeKeys``)."""
 
     EPOCH = "epoch"  # a counter: the newest plan's epoch (``add(EPOCH, 0)`` reads it without waiting)
+    STUCK = "stuck"  # a counter bumped with every ``stuck/<member>`` report: the coordinator reads one key per poll
 
     @staticmethod
     def plan(epoch: int) -> str:
@@ -72,6 +78,11 @@ class Keys:
     @staticmethod
     def commit(epoch: int) -> str:
         return f"commit/{epoch}"  # a counter of the members done with the change
+
+    @staticmethod
+    def committed(epoch: int) -> str:
+        # "all": set by the last member to commit; "superseded": by the coordinator when a newer plan came first
+        return f"commit/{epoch}/outcome"
 
     @staticmethod
     def beat(member: int) -> str:
@@ -118,6 +129,15 @@ class Plan:
     donors: dict[int, int] = dataclasses.field(default_factory=dict)  # joiner id -> the member it heals from
     stop: bool = False  # fewer than fault_tolerance.min_workers left: save a checkpoint at the change and end
     detected_at: float = 0.0  # wall time the coordinator learnt of the change
+    nodes: list[int] = dataclasses.field(default_factory=list)  # the node of each member (parallel to ``members``)
+
+    def members_per_node(self) -> list[int]:
+        """How many members each node has, in rank order (the members of a node are consecutive); one node when the
+        plan names none."""
+        counts: dict[int, int] = {}
+        for node in self.nodes or [0] * len(self.members):
+            counts[node] = counts.get(node, 0) + 1
+        return list(counts.values())
 
     def dumps(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -163,6 +183,8 @@ class LiveMembership:
         self._pause = _pause_request(member_id)
         host, port = os.environ[STORE_ENV].rsplit(":", 1)
         self._beat_store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)  # the thread's own
+        self._waiting: tuple[str, Plan] | None = None  # (verdict key, plan) of the barrier the main thread waits at
+        self._plans: dict[int, Plan] = {}  # the heartbeat thread's cache of plans it read
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat, name="decent_train-heartbeat", daemon=True)
         self._thread.start()
@@ -172,9 +194,21 @@ class LiveMembership:
         while not self._stopping.wait(HEARTBEAT_S):
             try:
                 self._beat_store.add(Keys.beat(self.id), 1)
-                self._see_epoch(self._beat_store.add(Keys.EPOCH, 0) - 1)
+                newest = self._see_epoch(self._beat_store.add(Keys.EPOCH, 0) - 1)
+                self._end_a_hopeless_wait(newest)
             except (RuntimeError, dist.DistError):  # the store went away: the launcher ended
                 return
+
+    def _end_a_hopeless_wait(self, newest: int) -> None:
+        """The main thread waits at a barrier for a member that a newer plan declared dead (it never comes): propose
+        the change, which ends the wait of every member there (the verdict is the key they wait on)."""
+        waiting = self._waiting
+        if waiting is None or newest <= waiting[1].epoch:
+            return
+        if newest not in self._plans:
+            self._plans = {newest: Plan.loads(self._beat_store.get(Keys.plan(newest)))}
+        if set(waiting[1].members) - set(self._plans[newest].members):
+            self._beat_store.compare_set(waiting[0], "", "change")
 
     def close(self, finished: bool) -> None:
         """Stop the heartbeat before the interpreter ends (a daemon thread inside a store call then would abort it);
@@ -241,6 +275,7 @@ class LiveMembership:
         for member in members:
             logger.warning(f"member {member} stuck: {why}; reported to the coordinator")
             self.store.set(Keys.stuck(member), why)
+        self.store.add(Keys.STUCK, 1)
 
     def _latest_plan(self) -> Plan:
         return Plan.loads(self.store.get(Keys.plan(self._newest_epoch())))
@@ -293,34 +328,32 @@ class LiveMembership:
         return self.plan is not None and self.id in self.plan.joined
 
     def _wait_for_plan(self, wanted: Callable[[Plan], bool]) -> Plan:
+        """The newest plan once it is ``wanted``: blocks in the store for the plan after the newest."""
         bound = self._store_bound()
         deadline = time.monotonic() + bound
-        for _ in _backoff():
-            if self.store.add(Keys.EPOCH, 0) > 0:
-                plan = self._latest_plan()
+        while True:
+            newest = self._newest_epoch()
+            if newest >= 0:
+                plan = Plan.loads(self.store.get(Keys.plan(newest)))
                 if wanted(plan):
                     return plan
-            if time.monotonic() > deadline:
+            if not wait_for_key(self.store, Keys.plan(newest + 1), deadline):
                 raise WaitTimeout(f"member {self.id}: no plan with it within {bound:g} s (pg_timeout_s)")
-        raise AssertionError("unreachable")
 
     def commit(self) -> None:
-        """Done with the change: wait for every member to be (raises PlanSuperseded if a newer plan comes)."""
+        """Done with the change: wait for every member to be (raises PlanSuperseded if a newer plan comes). The last
+        to commit sets the outcome "all"; the coordinator sets "superseded" when it publishes a newer plan first (the
+        first one set wins): the members block on that one key."""
         plan = self.plan
-        self.store.add(Keys.commit(plan.epoch), 1)
-        self._wait_count(Keys.commit(plan.epoch), len(plan.members))
-
-    def _wait_count(self, key: str, count: int) -> None:
+        outcome = Keys.committed(plan.epoch)
+        if self.store.add(Keys.commit(plan.epoch), 1) >= len(plan.members):
+            self.store.compare_set(outcome, "", "all")
         bound = self._store_bound()
-        deadline = time.monotonic() + bound
-        for _ in _backoff():
-            if self.store.add(key, 0) >= count:
-                return
-            if self.newer_plan():
-                raise PlanSuperseded
-            if time.monotonic() > deadline:
-                raise WaitTimeout(f"member {self.id}: {key} not reached by every member within {bound:g} s "
-                                  "(pg_timeout_s)")
+        if not wait_for_key(self.store, outcome, time.monotonic() + bound):
+            raise WaitTimeout(f"member {self.id}: {Keys.commit(plan.epoch)} not reached by every member within "
+                              f"{bound:g} s (pg_timeout_s)")
+        if self.store.get(outcome) != b"all":
+            raise PlanSuperseded
 
     # -- at step boundaries -------------------------------------------------------------------------------------
     def change_at(self, step: int, needs_all: bool) -> bool:
@@ -341,30 +374,37 @@ class LiveMembership:
         members meet in a barrier as at the step's start; MembersChanged if its verdict is a change (a member died
         during that work: nobody runs the collective with it)."""
         self._fences += 1
-        if self._verdict(Keys.fence(self.plan.epoch, self._fences)):
+        if self._verdict(Keys.fence(self.plan.epoch, self._fences), at_fence=True):
             raise MembersChanged
 
-    def _verdict(self, key: str) -> bool:
+    def _verdict(self, key: str, at_fence: bool = False) -> bool:
         """A barrier of the members at ``key``, and whether its verdict is a change. A member that has not come
         within ``comm_timeout_s`` (alive: it beats, but stuck) is reported to the coordinator, whose plan without
-        it ends the wait. The last member to arrive deletes the keys of the barriers before (all have passed them)."""
+        it ends the wait. The last member to arrive deletes the keys of the barriers before (all have passed them).
+        ``at_fence``: only a plan that drops a member changes the members there; one that only adds joiners waits
+        for the next record step's barrier, where the joiners start with the others (a joiner starts a step's
+        records from their beginning, never inside its evaluation; the coordinator never drops a member and adds a
+        joiner in one plan)."""
         plan = self.plan
         verdict = f"{key}/verdict"
         self.store.set(f"{key}/{self.id}", "")  # who came: those waiting can name who did not
         if self.store.add(key, 1) == len(plan.members):
-            self._propose(verdict, self._latest_plan().epoch > plan.epoch)
+            newest = self._newest_epoch()
+            drops = newest > plan.epoch and bool(set(plan.members) - set(self._latest_plan().members))
+            self._propose(verdict, drops if at_fence else newest > plan.epoch)
             self._clean_up()
         bound = self.timeout.total_seconds()
-        deadline = time.monotonic() + bound
-        for _ in _backoff():
-            if self.store.check([verdict]):
-                break
+        self._waiting = (verdict, plan)  # the heartbeat thread proposes a change if a newer plan drops a member
+        try:
             if self.newer_plan() and set(plan.members) - set(self._latest_plan().members):
-                self._propose(verdict, True)
-            if time.monotonic() > deadline:
+                self._propose(verdict, True)  # the plan came before the heartbeat thread knew of this wait
+            if not wait_for_key(self.store, verdict, time.monotonic() + bound):
                 missing = [m for m in plan.members if not self.store.check([f"{key}/{m}"])]
                 self._report_stuck(missing, f"not at {key} within {bound:g} s (comm_timeout_s)")
-                deadline = float("inf")  # once: the coordinator's plan without them ends the wait
+                # the coordinator's plan without them ends the wait (through the heartbeat thread's proposal)
+                wait_for_key(self.store, verdict, time.monotonic() + FOREVER_S)
+        finally:
+            self._waiting = None
         self._passed += [key, verdict, *(f"{key}/{m}" for m in plan.members)]
         return self.store.get(verdict) == b"change"
 
@@ -391,16 +431,15 @@ class LiveMembership:
         alive (a transient error, or it stalled past the limit): after ``comm_timeout_s`` it is reported to the
         coordinator; after as long again this worker gives up (WaitTimeout: it exits, and is declared lost)."""
         bound = self.timeout.total_seconds()
-        deadline, reported = time.monotonic() + bound, peer is None
-        for _ in _backoff():
-            if self._newest_epoch() > self.plan.epoch:
+        newer = Keys.plan(self.plan.epoch + 1)
+        if wait_for_key(self.store, newer, time.monotonic() + bound):
+            return
+        if peer is not None:
+            self._report_stuck([peer], f"its exchange with member {self.id} failed, no plan {bound:g} s after")
+            if wait_for_key(self.store, newer, time.monotonic() + bound):
                 return
-            if time.monotonic() > deadline:
-                if reported:
-                    raise WaitTimeout(f"member {self.id}: no newer plan within {bound:g} s (comm_timeout_s) after a "
-                                      "failed exchange with a peer")
-                self._report_stuck([peer], f"its exchange with member {self.id} failed, no plan {bound:g} s after")
-                deadline, reported = time.monotonic() + bound, True
+        raise WaitTimeout(f"member {self.id}: no newer plan within {bound:g} s (comm_timeout_s) after a failed "
+                          "exchange with a peer")
 
 
 def send_state(state: dict[str, Any], rank: int) -> int:

@@ -163,9 +163,11 @@ class LiveTraining:
     def _regossip(self) -> None:
         cfg = self.job.cfg
         world = dist.get_world_size()
-        name, local = cfg.live_topology(world)
+        nodes = self.live.plan.members_per_node()
+        name, local = cfg.live_topology(world, nodes)
         if name != cfg.topology.name:
-            logger.warning(f"topology {cfg.topology.name} cannot serve {world} workers; gossiping over {name}")
+            logger.warning(f"topology {cfg.topology.name} cannot serve {world} workers (per node: "
+                           f"{', '.join(map(str, nodes))}); gossiping over {name}")
         self.job.algo.membership_changed(name, local)
 
     def _stop(self, plan: Plan, step: int) -> None:

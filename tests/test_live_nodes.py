@@ -1,0 +1,450 @@
+"""Live fault tolerance over nodes (issue 39): the coordinator outside the nodes, one agent per node, the node as the
+unit of failure.
+
+- The coordinator's planning, against a hand computation: a real store (the coordinator's own ``TCPStore``) and fake
+  node agents written as store clients (no processes): a silent node's members leave in one plan; a spare node joins
+  as one group, healing from established members spread over them; a hot spare waits for a node to leave.
+- The agent's rule, caused for real: the process hosting the store is stopped (SIGSTOP: the agent's store calls block,
+  as to a host cut off) or killed; the agent kills its workers and exits with one line within detect_s.
+- End to end on localhost (slow): a coordinator and 3 agents as separate processes, each agent in its own process
+  group; one agent's whole group SIGKILLed mid-run (6 -> 4 in one change), then a spare node started (4 -> 6).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from decent_train.config import TrainConfig, check_config
+from decent_train.engine import reconfigure
+from decent_train.launcher.coordinator import Coordinator, NodeKeys
+from decent_train.training.live import Keys, Plan
+
+from .jobs import COMMAND, records
+from .test_elastic import alive
+
+DETECT_S = 0.5
+
+
+def _cfg(nnodes: int | str, nproc: int = 2, detect_s: float = DETECT_S, **extra: Any) -> TrainConfig:
+    return check_config({
+        "fault_tolerance": {"name": "live", "detect_s": detect_s},
+        "launch": {"nnodes": nnodes, "nproc_per_node": nproc, "rdzv_endpoint": "127.0.0.1:1", "rdzv_id": "t"},
+        **extra,
+    })
+
+
+class FakeAgent:
+    """A node agent as the coordinator sees it: the keys it writes, written by hand (no worker process)."""
+
+    def __init__(self, port: int, workers: int) -> None:
+        self.store = dist.TCPStore("127.0.0.1", port, is_master=False)
+        self.node = self.store.add(NodeKeys.NODE_IDS, 1) - 1
+        for key in (NodeKeys.beat(self.node), NodeKeys.events(self.node), NodeKeys.orders(self.node)):
+            self.store.add(key, 0)
+        self.events = 0
+        first = self.store.add(NodeKeys.MEMBER_IDS, workers) - workers
+        self.members = list(range(first, first + workers))
+        for member in self.members:
+            self.report("started", member=member, pid=10_000 + member)
+        self.store.set(NodeKeys.info(self.node), json.dumps({"host": f"fake{self.node}", "pid": 0,
+                                                             "workers": workers}))
+
+    def report(self, kind: str, **fields: Any) -> None:
+        self.store.set(NodeKeys.event(self.node, self.events), json.dumps({"kind": kind, **fields}))
+        self.events += 1
+        self.store.add(NodeKeys.events(self.node), 1)
+
+    def hello(self, *members: int) -> None:
+        for member in members or self.members:
+            self.report("hello", member=member)
+
+    def beat(self) -> None:
+        self.store.add(NodeKeys.beat(self.node), 1)
+
+    def orders(self) -> list[dict[str, Any]]:
+        count = self.store.add(NodeKeys.orders(self.node), 0)
+        return [json.loads(self.store.get(NodeKeys.order(self.node, k))) for k in range(count)]
+
+
+def _coordinator(tmp_path: Path, cfg: TrainConfig) -> Coordinator:
+    return Coordinator(cfg, tmp_path, "{}", port=0)
+
+
+def _epochs(coordinator: Coordinator) -> int:
+    return coordinator.store.add(Keys.EPOCH, 0)
+
+
+def _commit(coordinator: Coordinator) -> None:
+    """Every member of the newest plan is done with the change (what the workers do)."""
+    plan = coordinator.plan
+    coordinator.store.add(Keys.commit(plan.epoch), len(plan.members))
+
+
+def _steps_until(coordinator: Coordinator, beating: list[FakeAgent], done: Callable[[], bool],
+                 limit_s: float = 5.0) -> None:
+    """Run the coordinator's looks while ``beating`` agents beat, until ``done()``."""
+    deadline = time.monotonic() + limit_s
+    while not done():
+        assert time.monotonic() < deadline, "the coordinator did not plan in time"
+        for agent in beating:
+            agent.beat()
+        coordinator._step()
+        time.sleep(0.02)
+
+
+def _founded(tmp_path: Path, cfg: TrainConfig, nodes: int) -> tuple[Coordinator, list[FakeAgent]]:
+    coordinator = _coordinator(tmp_path, cfg)
+    agents = [FakeAgent(coordinator.port, cfg.launch.nproc_per_node) for _ in range(nodes)]
+    for agent in agents:
+        agent.hello()
+        agent.beat()
+    coordinator._wait_for_founders()
+    return coordinator, agents
+
+
+def test_a_silent_node_leaves_in_one_plan_with_all_its_members(tmp_path: Path) -> None:
+    coordinator, (a, b, c) = _founded(tmp_path, _cfg(3), 3)
+    assert (a.members, b.members, c.members) == ([0, 1], [2, 3], [4, 5])
+    first = coordinator.plan
+    assert (first.members, first.nodes) == ([0, 1, 2, 3, 4, 5], [0, 0, 1, 1, 2, 2])
+    _steps_until(coordinator, [a, c], lambda: _epochs(coordinator) > 1)  # node 1 falls silent
+    for _ in range(int(2 * DETECT_S / 0.02)):  # no further plan follows (one change, not one per member)
+        a.beat(), c.beat()
+        coordinator._step()
+        time.sleep(0.02)
+    assert _epochs(coordinator) == 2
+    plan = Plan.loads(coordinator.store.get(Keys.plan(1)))
+    assert plan.members == [0, 1, 4, 5] and plan.nodes == [0, 0, 2, 2] and plan.members_per_node() == [2, 2]
+    assert sorted(plan.lost) == [2, 3] and all("silent" in why for why in plan.lost.values())
+    assert plan.joined == [] and not plan.stop
+    assert [o["kind"] for o in b.orders()] == ["fence"]  # a lost node is told to stop, never asked to replace
+    assert a.orders() == [] and c.orders() == []
+
+
+def test_a_worker_lost_on_a_live_node_is_replaced_there(tmp_path: Path) -> None:
+    coordinator, (a, b) = _founded(tmp_path, _cfg(2), 2)
+    coordinator.restarts_left = 1  # launch.max_restarts=1
+    b.report("lost", member=3, why="killed by SIGKILL")
+    _steps_until(coordinator, [a, b], lambda: _epochs(coordinator) > 1)
+    plan = coordinator.plan
+    assert plan.members == [0, 1, 2] and plan.lost == {3: "killed by SIGKILL"}
+    assert [o["kind"] for o in b.orders()] == ["start"] and a.orders() == []
+
+
+def test_a_spare_node_joins_as_one_group_healing_from_established_members(tmp_path: Path) -> None:
+    coordinator, (a, b) = _founded(tmp_path, _cfg("2:3"), 2)
+    _commit(coordinator)
+    spare = FakeAgent(coordinator.port, 2)
+    assert spare.members == [4, 5]
+    spare.hello(4)  # one of its workers is ready, the other still builds: the node waits for it
+    for _ in range(10):
+        for agent in (a, b, spare):
+            agent.beat()
+        coordinator._step()
+        time.sleep(0.02)
+    assert _epochs(coordinator) == 1
+    spare.hello(5)
+    _steps_until(coordinator, [a, b, spare], lambda: _epochs(coordinator) > 1)
+    plan = coordinator.plan
+    assert plan.members == [0, 1, 2, 3, 4, 5] and plan.nodes == [0, 0, 1, 1, 2, 2]
+    assert plan.joined == [4, 5]
+    # donors: established members only, spread from the last rank back (hand computation: 4 <- 3, 5 <- 2)
+    assert plan.donors == {4: 3, 5: 2}
+
+
+def test_a_hot_spare_waits_for_a_node_to_leave(tmp_path: Path) -> None:
+    coordinator, (a, b) = _founded(tmp_path, _cfg(2), 2)  # at most 2 nodes in the run
+    _commit(coordinator)
+    spare = FakeAgent(coordinator.port, 2)
+    spare.hello()
+    for _ in range(10):
+        for agent in (a, b, spare):
+            agent.beat()
+        coordinator._step()
+        time.sleep(0.02)
+    assert _epochs(coordinator) == 1  # no room: it waits
+    _steps_until(coordinator, [a, spare], lambda: _epochs(coordinator) > 1)  # node 1 falls silent
+    assert coordinator.plan.members == [0, 1] and sorted(coordinator.plan.lost) == [2, 3]
+    _commit(coordinator)
+    _steps_until(coordinator, [a, spare], lambda: _epochs(coordinator) > 2)
+    plan = coordinator.plan
+    assert plan.members == [0, 1, 4, 5] and plan.joined == [4, 5] and plan.donors == {4: 1, 5: 0}
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"fault_tolerance": {"name": "live", "role": "worker"}},
+     "fault_tolerance.role='worker'; valid: both, coordinator, agent"),
+    ({"fault_tolerance": {"role": "agent"}}, "fault_tolerance.role=agent is live mode's; set fault_tolerance=live"),
+    ({"fault_tolerance": {"name": "live", "role": "agent"}},
+     "fault_tolerance=live with fault_tolerance.role=agent: the agents reach the coordinator at launch.rdzv_endpoint"),
+    ({"fault_tolerance": {"name": "live", "role": "coordinator"}, "launch": {"rdzv_endpoint": "host:0"}},
+     "launch.rdzv_endpoint=host:0: the coordinator's store; valid: HOST:PORT with a port in 1..65535"),
+    ({"fault_tolerance": {"name": "live", "min_workers": 7},
+      "launch": {"nnodes": 3, "nproc_per_node": 2, "rdzv_endpoint": "h:1", "rdzv_id": "j"}},
+     "fault_tolerance.min_workers=7 is more than the 6 workers launched; valid: 1..6"),
+])
+def test_node_settings_are_refused_in_one_line(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError) as error:
+        check_config(overrides)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_several_nodes_are_accepted_under_live() -> None:
+    cfg = _cfg(3)
+    assert cfg.launch.world_size == 6 and cfg.fault_tolerance.role == "both"
+
+
+def test_the_topology_is_laid_out_over_the_plans_nodes() -> None:
+    cfg = _cfg(3, topology={"name": "one-peer-exp"})
+    assert Plan(1, [0, 1, 4, 5], 1, nodes=[0, 0, 2, 2]).members_per_node() == [2, 2]
+    assert cfg.live_topology(4, [2, 2]) == ("one-peer-exp", 2)  # a whole node left: two nodes of two
+    assert cfg.live_topology(6, [2, 2, 2]) == ("ring", 6)  # one-peer-exp needs a power of two: ring
+    assert cfg.live_topology(3, [2, 1]) == ("ring", 3)
+    assert _cfg(3).live_topology(5, [2, 2, 1]) == ("ring", 5)  # nodes of different sizes: laid out as one node
+
+
+# --- the agent's rule: no coordinator, no workers ---------------------------------------------------------------------
+
+AGENT = """
+import sys
+from pathlib import Path
+from decent_train.config import check_config
+from decent_train.launcher.launch import StopForwarding
+from decent_train.launcher.node_agent import NodeAgent
+cfg = check_config({"fault_tolerance": {"name": "live", "detect_s": float(sys.argv[2])}, "pg_timeout_s": 600,
+                    "launch": {"nproc_per_node": 2}})
+sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+NodeAgent(cfg, Path("unused"), sys.argv[1], StopForwarding(), command=sleeper).run()
+"""
+STORE = """
+import sys, time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+print(store.port, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL], ids=["coordinator-stopped", "coordinator-killed"])
+def test_an_agent_that_loses_the_coordinator_kills_its_workers_and_exits(tmp_path: Path,
+                                                                          fault: signal.Signals) -> None:
+    detect_s = 2.0
+    server = subprocess.Popen([sys.executable, "-c", STORE], stdout=subprocess.PIPE, text=True)
+    agent = None
+    try:
+        port = int(server.stdout.readline())
+        agent = subprocess.Popen([sys.executable, "-c", AGENT, f"127.0.0.1:{port}", str(detect_s)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False)
+        store.wait([NodeKeys.info(0)])
+        pids = [json.loads(store.get(NodeKeys.event(0, k)))["pid"] for k in range(2)]
+        assert all(alive(pid) for pid in pids)
+        time.sleep(1.0)  # the agent is beating: nothing happens
+        assert agent.poll() is None and all(alive(pid) for pid in pids)
+        cut = time.monotonic()
+        os.kill(server.pid, fault)
+        agent.wait(timeout=detect_s + 10)
+        took = time.monotonic() - cut
+        print(f"agent exited {took:.2f} s after the coordinator was {fault.name}ed (detect_s={detect_s:g})")
+        assert agent.returncode == 1, agent.stderr.read()
+        assert not any(alive(pid) for pid in pids), f"workers {pids} outlived their agent"
+        lines = [line for line in agent.stderr.read().splitlines() if line.startswith("decent-train")]
+        assert len(lines) == 1 and "no answer from the coordinator" in lines[0], lines
+        assert detect_s <= took < detect_s + 3
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server.pid, signal.SIGKILL)
+        server.wait()
+        if agent is not None and agent.poll() is None:
+            agent.kill()
+            agent.wait()
+
+
+# --- end to end: nodes as process groups on localhost -----------------------------------------------------------------
+
+STEPS = 1600
+SPARE_AT = 10  # the spare node is started once training runs: it joins when ready, waiting if the run is full
+KILL_AT = 150
+TIMEOUT_S = 420
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class Cluster:
+    """A coordinator and node agents, each its own process group, with their consoles in files."""
+
+    def __init__(self, tmp_path: Path, *job: str) -> None:
+        self.tmp_path, self.run_dir = tmp_path, tmp_path / "run"
+        self.endpoint = f"127.0.0.1:{_free_port()}"
+        self.agents: list[subprocess.Popen[bytes]] = []
+        self.coordinator = self._start("coordinator", "fault_tolerance.role=coordinator", *job,
+                                       f"hydra.run.dir={self.run_dir}")
+
+    def _start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        with (self.tmp_path / f"{name}.txt").open("w") as out:
+            return subprocess.Popen([str(COMMAND), "fault_tolerance=live", f"launch.rdzv_endpoint={self.endpoint}",
+                                     "launch.rdzv_id=nodes", *args], cwd=self.tmp_path, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+
+    def start_agent(self) -> subprocess.Popen[bytes]:
+        k = len(self.agents)
+        agent = self._start(f"agent{k}", "fault_tolerance.role=agent", f"hydra.run.dir={self.tmp_path / f'agent{k}'}")
+        self.agents.append(agent)
+        return agent
+
+    def members_of(self, k: int) -> list[int]:
+        """The members agent ``k`` started (its log's first line names them)."""
+        log = (self.tmp_path / f"agent{k}" / "launcher.log")
+        for line in log.read_text().splitlines() if log.exists() else []:
+            if "workers (members" in line:
+                return [int(m) for m in line.split("(members ")[1].split(")")[0].split(", ")]
+        return []
+
+    def last_step(self) -> int:
+        with contextlib.suppress(FileNotFoundError):
+            steps = []
+            for line in (self.run_dir / "metrics.jsonl").read_text().splitlines():
+                with contextlib.suppress(ValueError):
+                    steps.append(json.loads(line)["step"])
+            return max(steps, default=-1)
+        return -1
+
+    def consoles(self) -> str:
+        out = ""
+        for path in sorted(self.tmp_path.glob("*.txt")):
+            out += f"\n--- {path.name} ---\n" + path.read_text(errors="replace")[-4000:]
+        for log in sorted((self.run_dir / "logs").glob("member*.log")) if (self.run_dir / "logs").exists() else []:
+            lines = [x for x in log.read_text(errors="replace").splitlines() if "metrics:log" not in x]
+            out += f"\n--- {log.name} (tail) ---\n" + "\n".join(lines[-8:])
+        return out
+
+    def close(self) -> None:
+        for proc in [self.coordinator, *self.agents]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not reconfigure.supported(), reason="live membership needs torch >= 2.14")
+def test_a_node_killed_leaves_in_one_change_and_a_spare_node_joins_as_a_group(tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path, "launch.nnodes=3", "launch.nproc_per_node=2", f"steps={STEPS}",
+                      "logger.log_every=10", "logger.progress_bar=false", "fault_tolerance.detect_s=2")
+    try:
+        for _ in range(3):
+            cluster.start_agent()
+        start, killed_at, victims = time.monotonic(), None, []
+        while cluster.coordinator.poll() is None:
+            assert time.monotonic() - start < TIMEOUT_S, f"no exit within {TIMEOUT_S} s{cluster.consoles()}"
+            if len(cluster.agents) == 3 and cluster.last_step() >= SPARE_AT:
+                cluster.start_agent()  # a spare node (launch.nnodes=3 are in): it joins once a node has left
+            if killed_at is None and cluster.last_step() >= KILL_AT:
+                victims = cluster.members_of(1)
+                killed_at = cluster.last_step()
+                os.killpg(cluster.agents[1].pid, signal.SIGKILL)  # the node: its agent and every worker
+            time.sleep(0.01)
+        code = cluster.coordinator.returncode
+    finally:
+        cluster.close()
+    context = cluster.consoles()
+    assert code == 0 and killed_at is not None, f"exit {code}{context}"
+    rows = records(cluster.run_dir)
+    steps = [r["step"] for r in rows]
+    assert all(x < y for x, y in zip(steps, steps[1:])) and steps[-1] == STEPS, f"{steps}{context}"
+    counts = [r["world/members"] for r in rows]
+    members = [n for i, n in enumerate(counts) if i == 0 or counts[i - 1] != n]
+    assert members == [6, 4, 6], f"{members}{context}"
+    result = json.loads((cluster.run_dir / "result.json").read_text())
+    assert result["eval/accuracy"] >= 0.95, f"{result}{context}"
+    loss, join = result["membership_changes"]
+    assert sorted(x["member"] for x in loss["lost"]) == sorted(victims) and len(victims) == 2, f"{loss}{context}"
+    assert loss["members"] == 4 and loss["joined"] == [] and loss["step"] > killed_at, f"{loss}{context}"
+    spare = cluster.members_of(3)
+    assert sorted(j["member"] for j in join["joined"]) == sorted(spare) and join["members"] == 6, f"{join}{context}"
+    established = set(range(6)) - set(victims)
+    assert all(j["donor"] in established for j in join["joined"]), f"{join}{context}"  # never another joiner
+    assert join["heal_mb"] > 0, f"{join}{context}"
+    times = [r["time/elapsed_s"] for r in rows]
+    gaps = [(b - a, rows[i]["step"]) for i, (a, b) in enumerate(zip(times, times[1:]))]
+    around = max(g for g in gaps if killed_at <= g[1] <= loss["step"])
+    print(f"longest gap between the survivors' records around the node's loss: {around[0]:.2f} s (after step "
+          f"{around[1]}); longest in the run: {max(gaps)[0]:.2f} s")
+    assert around[0] < 5.0, f"{around}{context}"
+
+
+# --- store traffic: a record step's barrier costs requests linear in the members --------------------------------------
+
+
+class CountingStore:
+    """A store client that counts the requests a member makes (the main thread's; the heartbeat has its own)."""
+
+    def __init__(self, store: dist.TCPStore) -> None:
+        self.store, self.requests = store, 0
+
+    @property
+    def timeout(self) -> Any:
+        return self.store.timeout
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.store, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.requests += 1
+            return method(*args, **kwargs)
+
+        return counted
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_a_record_steps_barrier_costs_requests_linear_in_the_members(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """Two record steps' barriers, every member at once (threads, one store client each): by reading
+    ``LiveMembership._verdict``, each member makes 4 requests per barrier (its arrival, the counter, one blocking
+    wait, the verdict), the last to arrive 2 more (the newest epoch, the verdict) and, from the second barrier on,
+    deletes the n + 2 keys of the one before: 9n + 6 in all, with no polling (the old backoff polled every 2-50 ms)."""
+    import threading
+    from datetime import timedelta
+
+    from decent_train.training.live import STORE_ENV, LiveMembership
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv(STORE_ENV, f"127.0.0.1:{server.port}")
+    plan = Plan(0, list(range(n)), 1)
+    server.set(Keys.plan(0), plan.dumps())
+    server.add(Keys.EPOCH, 1)
+    members = [LiveMembership(CountingStore(dist.TCPStore("127.0.0.1", server.port, is_master=False)), m,
+                              timedelta(seconds=30)) for m in range(n)]
+    for member in members:
+        member.plan = plan
+    verdicts: list[bool] = []
+
+    def two_record_steps(member: LiveMembership) -> None:
+        verdicts.extend(member.change_at(step, needs_all=True) for step in (10, 20))
+
+    threads = [threading.Thread(target=two_record_steps, args=(m,)) for m in members]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    for member in members:
+        member.close(finished=False)
+    assert verdicts == [False] * 2 * n
+    requests = sum(m.store.requests for m in members)
+    print(f"{n} members: {requests} store requests for two record steps' barriers")
+    assert requests == 9 * n + 6
