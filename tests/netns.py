@@ -189,6 +189,8 @@ class Network:
     def add_node(self) -> Node:
         """One more node on the switch (a spare started mid-run), shaped as the others."""
         k = len(self.nodes)
+        if k + 2 >= self.subnet.num_addresses - 1:
+            raise ValueError(f"{self.subnet} holds no more nodes than {k}")
         namespace, port = f"{self.tag}n{k}", f"p{k}"
         address = str(self.subnet.network_address + k + 2)
         _ip("ip", "netns", "add", namespace)
