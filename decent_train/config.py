@@ -423,7 +423,7 @@ class TrainConfig:
              "worker, which a dead member fails on all the others; use precision=bf16 or fp32"),
             (launch.monitor_interval != _default(LaunchConfig, "monitor_interval"),
              f"launch.monitor_interval={launch.monitor_interval}: the elastic agent's, which a live run does not "
-             "start (its supervisor watches heartbeats; fault_tolerance.detect_s sets how soon a silent worker is "
+             "start (its node agents watch heartbeats; fault_tolerance.detect_s sets how soon a silent worker is "
              f"dead); leave launch.monitor_interval={_default(LaunchConfig, 'monitor_interval')}"),
         ]
         for refused, why in refusals:
@@ -580,11 +580,13 @@ class TrainConfig:
 
     def live_topology(self, world_size: int, members_per_node: list[int] | None = None) -> tuple[str, int]:
         """``fault_tolerance=live``: (topology, workers per node) gossiped over by ``world_size`` members, whose
-        nodes hold ``members_per_node`` (the plan's, in rank order; None: one node): ``topology.name`` if it serves
-        them, else ring. Nodes of one size keep their structure (a whole node lost leaves them so); nodes of
-        different sizes (a worker lost, not its node) are laid out as one node."""
+        nodes hold ``members_per_node`` (the plan's, in rank order; None: as launched, ``launch.nproc_per_node``
+        each): ``topology.name`` if it serves them, else ring. Nodes of one size keep their structure (a whole node
+        lost leaves them so); nodes of different sizes (a worker lost, not its node) are laid out as one node."""
         configured = self.topology.local_world_size
-        sizes = members_per_node or [world_size]
+        per_node = self.launch.nproc_per_node
+        launched = [per_node] * (world_size // per_node) if per_node and world_size % per_node == 0 else None
+        sizes = members_per_node or launched or [world_size]
         if len(sizes) > 1 and len(set(sizes)) == 1:
             local = configured if configured and sizes[0] % configured == 0 else sizes[0]
         else:

@@ -211,6 +211,8 @@ def test_the_topology_is_laid_out_over_the_plans_nodes() -> None:
     cfg = _cfg(3, topology={"name": "one-peer-exp"})
     assert Plan(1, [0, 1, 4, 5], 1, nodes=[0, 0, 2, 2]).members_per_node() == [2, 2]
     assert cfg.live_topology(4, [2, 2]) == ("one-peer-exp", 2)  # a whole node left: two nodes of two
+    assert cfg.live_topology(4) == ("one-peer-exp", 2)  # no plan yet: nodes as launched (launch.nproc_per_node)
+    assert cfg.live_topology(4, [4]) == ("one-peer-exp", 4)
     assert cfg.live_topology(6, [2, 2, 2]) == ("ring", 6)  # one-peer-exp needs a power of two: ring
     assert cfg.live_topology(3, [2, 1]) == ("ring", 3)
     assert _cfg(3).live_topology(5, [2, 2, 1]) == ("ring", 5)  # nodes of different sizes: laid out as one node

@@ -133,7 +133,7 @@ def launch_workers(cfg: LaunchConfig, config_path: Path) -> signal.Signals | Non
 
 class StopForwarding:
     """The launcher's handler of the stop signals while its workers (this process's children running the worker
-    module: torchrun's, or launcher/supervisor.py's own) run: the first goes on to every worker; a SIGINT after it
+    module: torchrun's, or launcher/node_agent.py's) run: the first goes on to every worker; a SIGINT after it
     kills them (SIGKILL) and raises SignalException, which ends torchrun's agent's wait. Installed as a context."""
 
     def __init__(self) -> None:

@@ -1,5 +1,5 @@
-"""Live membership on a worker (``fault_tolerance=live``): the plans of the supervisor's coordinator, carried out at
-step boundaries. The protocol in full, and why: ``docs/fault-tolerance.md``.
+"""Live membership on a worker (``fault_tolerance=live``): the plans of the coordinator (launcher/coordinator.py),
+carried out at step boundaries. The protocol in full, and why: ``docs/fault-tolerance.md``.
 
 Every membership is an *epoch* with a plan the coordinator writes into its store (it lives in the launcher, which no
 worker failure takes down). A worker heartbeats from a thread of its own and reads the newest epoch there. The

@@ -84,7 +84,7 @@ class LiveTraining:
             except PlanSuperseded:  # a member was lost during the change: every member starts over at this step
                 continue
         self._rebuild(plan, step, taken, old_world)
-        # A worker is named by its member id (its logs/member<k>.log, the supervisor's lines), which it keeps; its rank
+        # A worker is named by its member id (its logs/member<k>.log, the coordinator's lines), which it keeps; its rank
         # is its place in the process group, which a change renumbers.
         lost = [f"member {m} (rank {previous.members.index(m)}) lost ({why})"
                 for m, why in live.lost_since(previous.epoch).items() if m in previous.members]
