@@ -25,7 +25,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from decent_train.components.checkpoint import CheckpointConfig
 from decent_train.components.data import IMAGE_DATASETS, DatasetConfig
 from decent_train.components.launch import (  # noqa: F401  (the launch schema's names, re-exported)
-    DEVICES, TORCH_KEEP_ALIVE_S, TORCH_LAST_CALL_S, LaunchConfig, SlurmConfig, node_range,
+    DEVICES, FAULT_TOLERANCE, LIVE_ROLES, TORCH_KEEP_ALIVE_S, TORCH_LAST_CALL_S, FaultToleranceConfig, LaunchConfig,
+    SlurmConfig, host_port, node_range,
 )
 from decent_train.components.metrics import LoggerConfig
 from decent_train.components.models import ModelConfig
@@ -173,48 +174,6 @@ class PhaseConfig:
     def mode(self, default_topology: str) -> str:
         """What the engine's ``switch_to`` takes: a topology name or "allreduce"."""
         return ALLREDUCE if self.algorithm == ALLREDUCE else self.topology or default_topology
-
-
-FAULT_TOLERANCE = ("none", "live")
-LIVE_ROLES = ("both", "coordinator", "agent")  # fault_tolerance.role
-
-
-def _host_port(address: str) -> bool:
-    """``address`` is HOST:PORT with a port in 1..65535."""
-    host, _, port = address.rpartition(":")
-    return bool(host) and port.isdigit() and 1 <= int(port) <= 65535
-
-
-@dataclass
-class FaultToleranceConfig:
-    """``conf/fault_tolerance/*.yaml``. ``none``: a failed worker stops every worker (torchrun restarts them all
-    from the newest checkpoint with ``launch.max_restarts``). ``live``: the others go on without it and a
-    replacement heals from a live peer (``training/live.py``; the design: ``docs/fault-tolerance.md``)."""
-
-    name: str = "none"
-    detect_s: float = 10.0  # live: a worker or a node silent this long (hung, stopped, cut off) is declared dead
-    min_workers: int = 1  # live: below this many the run stops, with a checkpoint
-    # live: what this launch runs. both: the coordinator (the store and the plans) and this node's agent (its
-    # workers); coordinator: the coordinator alone (a host that does not train); agent: this node's agent, for the
-    # coordinator at launch.rdzv_endpoint (the job is the coordinator's). Several nodes: docs/fault-tolerance.md
-    role: str = "both"
-
-    def __post_init__(self) -> None:
-        if self.name not in FAULT_TOLERANCE:
-            raise ValueError(f"fault_tolerance={self.name!r}; valid: {', '.join(FAULT_TOLERANCE)}")
-        if self.detect_s <= 0:
-            raise ValueError(f"fault_tolerance.detect_s={self.detect_s} must be > 0 seconds")
-        if self.min_workers < 1:
-            raise ValueError(f"fault_tolerance.min_workers={self.min_workers} must be >= 1")
-        if self.role not in LIVE_ROLES:
-            raise ValueError(f"fault_tolerance.role={self.role!r}; valid: {', '.join(LIVE_ROLES)}")
-        if self.role != "both" and not self.live:
-            raise ValueError(f"fault_tolerance.role={self.role} is live mode's; set fault_tolerance=live, or leave "
-                             "fault_tolerance.role=both")
-
-    @property
-    def live(self) -> bool:
-        return self.name == "live"
 
 
 @dataclass
@@ -417,7 +376,7 @@ class TrainConfig:
             (ft.role != "both" and not launch.rdzv_endpoint, f"fault_tolerance.role={ft.role}: the agents reach "
              "the coordinator at launch.rdzv_endpoint; set launch.rdzv_endpoint=HOST:PORT (the coordinator's host, "
              "the same on every node)"),
-            (bool(launch.rdzv_endpoint) and not _host_port(launch.rdzv_endpoint), f"launch.rdzv_endpoint="
+            (bool(launch.rdzv_endpoint) and not host_port(launch.rdzv_endpoint), f"launch.rdzv_endpoint="
              f"{launch.rdzv_endpoint}: the coordinator's store; valid: HOST:PORT with a port in 1..65535"),
             (self.precision == "fp16", "precision=fp16: the workers' overflow agreement is a collective of every "
              "worker, which a dead member fails on all the others; use precision=bf16 or fp32"),

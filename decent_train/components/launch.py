@@ -1,5 +1,6 @@
 """``conf/launch/*.yaml``: how many workers, on what, and how the elastic agent runs them (``launcher/launch.py``
-runs them; the schema lives below the launcher so that a worker loading its config never imports it)."""
+runs them; the schema lives below the launcher so that a worker loading its config never imports it); and
+``conf/fault_tolerance/*.yaml``: what runs them when one fails (``launcher/supervisor.py`` under live mode)."""
 
 from __future__ import annotations
 
@@ -111,3 +112,45 @@ def node_range(nnodes: Union[int, str]) -> tuple[int, int]:
             "(elastic, e.g. 1:4)"
         )
     return low, high
+
+
+FAULT_TOLERANCE = ("none", "live")
+LIVE_ROLES = ("both", "coordinator", "agent")  # fault_tolerance.role
+
+
+def host_port(address: str) -> bool:
+    """``address`` is HOST:PORT with a port in 1..65535."""
+    host, _, port = address.rpartition(":")
+    return bool(host) and port.isdigit() and 1 <= int(port) <= 65535
+
+
+@dataclass
+class FaultToleranceConfig:
+    """``conf/fault_tolerance/*.yaml``. ``none``: a failed worker stops every worker (torchrun restarts them all
+    from the newest checkpoint with ``launch.max_restarts``). ``live``: the others go on without it and a
+    replacement heals from a live peer (``training/live.py``; the design: ``docs/fault-tolerance.md``)."""
+
+    name: str = "none"
+    detect_s: float = 10.0  # live: a worker or a node silent this long (hung, stopped, cut off) is declared dead
+    min_workers: int = 1  # live: below this many the run stops, with a checkpoint
+    # live: what this launch runs. both: the coordinator (the store and the plans) and this node's agent (its
+    # workers); coordinator: the coordinator alone (a host that does not train); agent: this node's agent, for the
+    # coordinator at launch.rdzv_endpoint (the job is the coordinator's). Several nodes: docs/fault-tolerance.md
+    role: str = "both"
+
+    def __post_init__(self) -> None:
+        if self.name not in FAULT_TOLERANCE:
+            raise ValueError(f"fault_tolerance={self.name!r}; valid: {', '.join(FAULT_TOLERANCE)}")
+        if self.detect_s <= 0:
+            raise ValueError(f"fault_tolerance.detect_s={self.detect_s} must be > 0 seconds")
+        if self.min_workers < 1:
+            raise ValueError(f"fault_tolerance.min_workers={self.min_workers} must be >= 1")
+        if self.role not in LIVE_ROLES:
+            raise ValueError(f"fault_tolerance.role={self.role!r}; valid: {', '.join(LIVE_ROLES)}")
+        if self.role != "both" and not self.live:
+            raise ValueError(f"fault_tolerance.role={self.role} is live mode's; set fault_tolerance=live, or leave "
+                             "fault_tolerance.role=both")
+
+    @property
+    def live(self) -> bool:
+        return self.name == "live"
