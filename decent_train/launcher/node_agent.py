@@ -326,7 +326,12 @@ def run_agent(cfg: TrainConfig, run_dir: Path) -> None:
     """``fault_tolerance.role=agent``: this node's agent for the coordinator at ``launch.rdzv_endpoint``. The job is
     the coordinator's (its resolved config, written into this run directory), so every node runs the same one."""
     address = cfg.launch.rdzv_endpoint
-    store = connect(address, cfg.pg_timeout_s)
+    try:
+        store = connect(address, cfg.pg_timeout_s)
+    except (RuntimeError, dist.DistError) as error:
+        raise ValueError(f"no coordinator answered at launch.rdzv_endpoint={address} within pg_timeout_s="
+                            f"{cfg.pg_timeout_s:g} s ({str(error).splitlines()[0]}); start it first "
+                            "(fault_tolerance.role=coordinator), or check the address") from None
     run_id = store.get(NodeKeys.RUN_ID).decode()
     if run_id != cfg.launch.rdzv_id:
         raise ValueError(f"launch.rdzv_id={cfg.launch.rdzv_id}: the coordinator at {address} runs launch.rdzv_id="
