@@ -15,6 +15,7 @@ import dataclasses
 import io
 import json
 import os
+import socket
 import statistics
 import threading
 import time
@@ -29,6 +30,7 @@ from loguru import logger
 
 from decent_train.engine import comm, reconfigure
 from decent_train.engine.comm import ExchangeError
+from decent_train.engine.sever import sever_connections_to
 
 STORE_ENV = "DECENT_TRAIN_STORE"  # host:port of the coordinator's store
 MEMBER_ENV = "DECENT_TRAIN_MEMBER_ID"  # this worker's stable id (never reused in a run)
@@ -105,6 +107,10 @@ class Keys:
         return f"fence/{epoch}/{count}"
 
     @staticmethod
+    def address(member: int) -> str:
+        return f"address/{member}"  # the host address it reaches the coordinator from (its gloo address)
+
+    @staticmethod
     def stuck(member: int) -> str:
         return f"stuck/{member}"  # set by a member that waited past a bound for it: the coordinator kills it
 
@@ -165,6 +171,14 @@ def connect(timeout: timedelta) -> tuple[dist.Store, int]:
     return store, int(os.environ[MEMBER_ENV])
 
 
+def address_towards(host: str, port: int) -> str:
+    """This host's address on its route to ``host`` (a UDP connect sends nothing: it only picks the route). The node
+    agent binds gloo to that route's interface (``GLOO_SOCKET_IFNAME``), so peers see this worker at this address."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))
+        return probe.getsockname()[0]
+
+
 class LiveMembership:
     """This worker's side of the coordinator's plans. ``timeout``: the limit of a message (gloo takes it from the
     reconfiguration) and of a collective of the default group: every collective of a live run follows a barrier of
@@ -183,8 +197,11 @@ class LiveMembership:
         self._pause = _pause_request(member_id)
         host, port = os.environ[STORE_ENV].rsplit(":", 1)
         self._beat_store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)  # the thread's own
+        self._store_address = (socket.gethostbyname(host), int(port))  # never severed (``_sever_lost_hosts``)
+        store.set(Keys.address(member_id), address_towards(*self._store_address))  # where its peers reach it
         self._waiting: tuple[str, Plan] | None = None  # (verdict key, plan) of the barrier the main thread waits at
         self._plans: dict[int, Plan] = {}  # the heartbeat thread's cache of plans it read
+        self._severed_for = -1  # the newest epoch whose lost hosts were severed
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat, name="decent_train-heartbeat", daemon=True)
         self._thread.start()
@@ -196,6 +213,7 @@ class LiveMembership:
                 self._beat_store.add(Keys.beat(self.id), 1)
                 newest = self._see_epoch(self._beat_store.add(Keys.EPOCH, 0) - 1)
                 self._end_a_hopeless_wait(newest)
+                self._sever_lost_hosts(newest)
             except (RuntimeError, dist.DistError):  # the store went away: the launcher ended
                 return
 
@@ -209,6 +227,29 @@ class LiveMembership:
             self._plans = {newest: Plan.loads(self._beat_store.get(Keys.plan(newest)))}
         if set(waiting[1].members) - set(self._plans[newest].members):
             self._beat_store.compare_set(waiting[0], "", "change")
+
+    def _sever_lost_hosts(self, newest: int) -> None:
+        """A newer plan declared every member on another host lost (a node died or was cut off): end this worker's
+        connections to that host, so that an exchange waiting on it fails now, not at comm_timeout_s (a cut host
+        sends no reset; ``engine/sever.py``). Once per epoch seen; never this worker's own host, nor one a member
+        of the plan still lives on."""
+        plan = self.plan
+        if plan is None or newest <= max(plan.epoch, self._severed_for):
+            return
+        self._severed_for = newest
+        if newest not in self._plans:
+            self._plans = {newest: Plan.loads(self._beat_store.get(Keys.plan(newest)))}
+        lost = set(plan.members) - set(self._plans[newest].members)
+        if not lost:
+            return
+        hosts = dict(zip(plan.members, (a.decode() for a in self._beat_store.multi_get(
+            [Keys.address(m) for m in plan.members]))))
+        dead = {hosts[m] for m in lost} - {hosts[m] for m in plan.members if m not in lost}
+        if dead:
+            store_host, store_port = self._store_address
+            severed = sever_connections_to(dead, frozenset({(store_host, store_port)}))
+            logger.info(f"member {self.id}: {', '.join(sorted(dead))} lost with all its members; "
+                        f"{severed} connection(s) to it closed")
 
     def close(self, finished: bool) -> None:
         """Stop the heartbeat before the interpreter ends (a daemon thread inside a store call then would abort it);
