@@ -198,7 +198,7 @@ class LiveMembership:
         host, port = os.environ[STORE_ENV].rsplit(":", 1)
         self._beat_store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)  # the thread's own
         self._store_address = (socket.gethostbyname(host), int(port))  # never severed (``_sever_lost_hosts``)
-        store.set(Keys.address(member_id), address_towards(*self._store_address))  # where its peers reach it
+        self._beat_store.set(Keys.address(member_id), address_towards(*self._store_address))  # peers reach it there
         self._waiting: tuple[str, Plan] | None = None  # (verdict key, plan) of the barrier the main thread waits at
         self._plans: dict[int, Plan] = {}  # the heartbeat thread's cache of plans it read
         self._severed_for = -1  # the newest epoch whose lost hosts were severed
