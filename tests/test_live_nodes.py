@@ -471,3 +471,19 @@ def test_a_record_steps_barrier_costs_requests_linear_in_the_members(monkeypatch
     requests = sum(m.store.requests for m in members)
     print(f"{n} members: {requests} store requests for two record steps' barriers")
     assert requests == 9 * n + 6
+
+
+@pytest.mark.parametrize("extra, named", [  # (one node's range, 3..2, is empty)
+    # 10 classes, 3 per worker: 3 workers hold 9 < 10 (refused), 4 hold 12; only the nodes' count reaches 3
+    ({"fault_tolerance": {"name": "live", "min_workers": 3},
+      "dataset": {"partition": "classes", "classes_per_worker": 3}}, "with 3 workers"),
+])
+def test_the_preflight_checks_every_number_of_members_over_all_nodes(extra: dict[str, Any], named: str) -> None:
+    """The preflight's live checks span min_workers to every node's workers (3 nodes x 2 here), not one node's."""
+    from decent_train.launcher.preflight import check_live
+
+    cfg = _cfg(3, **{k: v for k, v in extra.items() if k != "fault_tolerance"})
+    if "fault_tolerance" in extra:
+        cfg.fault_tolerance.min_workers = extra["fault_tolerance"]["min_workers"]
+    with pytest.raises(ValueError, match=named):
+        check_live(cfg)

@@ -76,10 +76,11 @@ def check_model_input(cfg: TrainConfig) -> None:
 
 def check_live(cfg: TrainConfig) -> None:
     """``fault_tolerance=live`` needs torch's reconfigurable process groups, and the data must shard over every
-    number of members the run may shrink to (down to ``fault_tolerance.min_workers``)."""
+    number of members the run may have (from ``fault_tolerance.min_workers`` to every node's workers)."""
     if cfg.launch.nproc_per_node is not None:
-        cfg.dataset.check_partition(list(range(cfg.fault_tolerance.min_workers, cfg.launch.nproc_per_node + 1)))
-        if cfg.build_topology(world_size=cfg.launch.nproc_per_node).is_staged:
+        most = cfg.launch.max_nodes * cfg.launch.nproc_per_node  # every node's workers
+        cfg.dataset.check_partition(list(range(cfg.fault_tolerance.min_workers, most + 1)))
+        if cfg.build_topology(world_size=most).is_staged:
             raise ValueError(f"fault_tolerance=live with topology={cfg.topology.name} laid out over nodes of "
                              f"{cfg.topology.local_world_size}: its rounds have two stages; live membership gossips "
                              "in one-stage rounds (ring, complete, one-peer-exp, alternating-exp-ring)")
