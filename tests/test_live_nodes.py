@@ -487,3 +487,40 @@ def test_the_preflight_checks_every_number_of_members_over_all_nodes(extra: dict
         cfg.fault_tolerance.min_workers = extra["fault_tolerance"]["min_workers"]
     with pytest.raises(ValueError, match=named):
         check_live(cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not reconfigure.supported(), reason="live membership needs torch >= 2.14")
+def test_diloco_across_nodes_goes_on_without_a_node_killed(tmp_path: Path) -> None:
+    """Acceptance 4 across nodes: ``algorithm=diloco algorithm.sync_every=10`` on 3 nodes x 2 workers, a node that
+    does not hold rank 0 SIGKILLed after step KILL_AT: its 2 members leave in one change, the survivors' outer steps
+    go on over 4 (the rule's replay: tests/test_live_local_steps.py), exit 0, accuracy >= 0.95."""
+    steps = 600
+    cluster = Cluster(tmp_path, "launch.nnodes=3", "launch.nproc_per_node=2", f"steps={steps}", "algorithm=diloco",
+                      "algorithm.sync_every=10", "logger.log_every=10", "logger.progress_bar=false",
+                      "fault_tolerance.detect_s=2", "logger.wandb.mode=disabled")
+    try:
+        for _ in range(3):
+            cluster.start_agent()
+        start, killed_at, victims = time.monotonic(), None, []
+        while cluster.coordinator.poll() is None:
+            assert time.monotonic() - start < TIMEOUT_S, f"no exit within {TIMEOUT_S} s{cluster.consoles()}"
+            if killed_at is None and cluster.last_step() >= KILL_AT:
+                victim = next(k for k in range(3) if 0 not in cluster.members_of(k))
+                victims, killed_at = cluster.members_of(victim), cluster.last_step()
+                os.killpg(cluster.agents[victim].pid, signal.SIGKILL)
+            time.sleep(0.01)
+        code = cluster.coordinator.returncode
+    finally:
+        cluster.close()
+    context = cluster.consoles()
+    assert code == 0 and killed_at is not None, f"exit {code}{context}"
+    rows = records(cluster.run_dir)
+    steps_seen = [r["step"] for r in rows]
+    assert all(x < y for x, y in zip(steps_seen, steps_seen[1:])) and steps_seen[-1] == steps, f"{steps_seen}{context}"
+    counts = [r["world/members"] for r in rows]
+    assert [n for i, n in enumerate(counts) if i == 0 or counts[i - 1] != n] == [6, 4], f"{counts}{context}"
+    result = json.loads((cluster.run_dir / "result.json").read_text())
+    (change,) = result["membership_changes"]
+    assert sorted(x["member"] for x in change["lost"]) == sorted(victims) and len(victims) == 2, f"{change}{context}"
+    assert result["eval/accuracy"] >= 0.95, f"{result}{context}"
