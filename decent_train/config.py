@@ -31,7 +31,7 @@ from decent_train.components.launch import (  # noqa: F401  (the launch schema's
 from decent_train.components.metrics import LoggerConfig
 from decent_train.components.models import ModelConfig
 from decent_train.components.optim import OptimConfig, SchedulerConfig
-from decent_train.engine import ALLREDUCE
+from decent_train.engine import ALLREDUCE, reconfigure
 from decent_train.engine.compress import COMPRESSORS, make_compressor
 from decent_train.engine.ddp import check_engine_arguments
 from decent_train.engine.topology import ShardedTopology, Topology, build_topology
@@ -371,8 +371,10 @@ class TrainConfig:
             (bool(self.phases), "phases: an all-reduce phase needs every worker; leave phases empty"),
             (self.global_avg_every > 0, f"global_avg_every={self.global_avg_every}: a global average needs every "
              "worker; leave it 0"),
-            (launch.device != "cpu", f"launch.device={launch.device}: live membership changes reconfigure gloo "
-             "groups (CPU workers); use launch.device=cpu"),
+            (launch.device not in ("cpu", "cuda"), f"launch.device={launch.device}: live membership runs on the "
+             "device named; use launch.device=cpu or cuda"),
+            (launch.device == "cuda" and reconfigure.why_unsupported("cuda") is not None, f"launch.device=cuda: "
+             f"{reconfigure.why_unsupported('cuda')}; use launch.device=cpu"),
             (ft.role != "both" and not launch.rdzv_endpoint, f"fault_tolerance.role={ft.role}: the agents reach "
              "the coordinator at launch.rdzv_endpoint; set launch.rdzv_endpoint=HOST:PORT (the coordinator's host, "
              "the same on every node)"),

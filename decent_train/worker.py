@@ -12,7 +12,6 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from loguru import logger
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
@@ -40,8 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     if STORE_ENV in os.environ:  # fault_tolerance=live: the launcher's coordinator says who is in the run
         store, member = connect(timedelta(seconds=cfg.pg_timeout_s))
         live = LiveMembership(store, member, timedelta(seconds=cfg.comm_timeout_s))
-        live.start()  # train() joins the members once its model is built
-        device = torch.device("cpu")
+        device = live.start(cfg.launch.device)  # train() joins the members once its model is built
         setup_worker_logging(run_dir, member, cfg.logger, name=f"member{member}")  # founders: member id = rank
     else:
         device = init_distributed(cfg.launch.device, timedelta(seconds=cfg.pg_timeout_s))

@@ -117,7 +117,8 @@ def _child(fn: Callable[..., Any], member: int, ctx: dict[str, Any]) -> None:
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # the parent asks a hung member
         torch.set_num_threads(1)
         store = dist.TCPStore("127.0.0.1", wait_for_port(ctx["workdir"]), is_master=False, timeout=TIMEOUT)
-        reconfigure.join(store, member, TIMEOUT)
+        # DECENT_TRAIN_LIVE_DATA_BACKEND=gloo (the two-group layout's tests): a data group beside the default one
+        reconfigure.join(store, member, TIMEOUT, data_backend=reconfigure.data_backend_for("cpu"))
         result = fn(member, store, ctx)
         torch.save(result, os.path.join(ctx["workdir"], f"result{member}.pt"))
         code = 0
@@ -249,7 +250,13 @@ def _train_through_failure(member: int, store: dist.Store, ctx: dict[str, Any]) 
     save_params(workdir, engine.module, member, STEPS)
     missed = list(engine.missed_messages)
     finish(engine, store, SURVIVORS, member)
+    data = reconfigure.data_group()
     return {
+        # the group the engine exchanged over, after the change: the data group (two groups) or the default one
+        "layout": None if data is None else {
+            "exchanges_over_it": engine._members.exchange_group is data and engine._context.exchanger.group is data,
+            "is_default": data is dist.group.WORLD, "size": data.size(), "rank": data.rank(),
+        },
         "buckets": engine.bucket_names,
         "step": engine.step_count,
         "missed": missed[:missed_before] + missed[missed_during:],  # the steps' mixes
@@ -275,10 +282,14 @@ def gradient(member: int, s: int, x: dict[str, Tensor]) -> dict[str, Tensor]:
     return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("layout", ["one group", "two groups"])
 @pytest.mark.parametrize("where", ["boundary", "backward"])
-def test_survivors_follow_the_documented_rule(where: str) -> None:
+def test_survivors_follow_the_documented_rule(where: str, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Acceptance: the survivors' parameters (and their mean) after the failure step are what the documented rule
-    says, to 1e-12 in float64 on the engine level."""
+    says, to 1e-12 in float64 on the engine level. "two groups": the layout of a GPU worker (the data over a group
+    of its own, reconfigured with the default group at every change), gloo standing in for nccl2."""
+    if layout == "two groups":
+        monkeypatch.setenv(reconfigure.DATA_BACKEND_ENV, "gloo")
     with tempfile.TemporaryDirectory() as workdir:
         results = run_members(_train_through_failure, FOUNDERS, (VICTIM,), workdir, where=where)
         x = {m: {} for m in FOUNDERS}
@@ -288,6 +299,10 @@ def test_survivors_follow_the_documented_rule(where: str) -> None:
                     x[m][s] = values
         dying = load_params(workdir, VICTIM, KILL_STEP, tag="dying")
 
+    for m in SURVIVORS:  # the layout asked for was the one used
+        expected = None if layout == "one group" else {
+            "exchanges_over_it": True, "is_default": False, "size": len(SURVIVORS), "rank": SURVIVORS.index(m)}
+        assert results[m]["layout"] == expected, (m, results[m]["layout"])
     buckets = results[0]["buckets"]
     assert len(buckets) >= 2 and buckets[0] == ["4.bias", "4.weight"], buckets
     assert all(r["buckets"] == buckets and r["step"] == STEPS for r in results.values())

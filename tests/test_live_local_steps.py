@@ -24,6 +24,7 @@ which the front broadcasts) with gradients from a fresh float64 model, independe
 from __future__ import annotations
 
 import copy
+import re
 import signal
 import tempfile
 from pathlib import Path
@@ -317,9 +318,15 @@ def test_a_joiner_heals_model_inner_state_anchors_and_outer_state() -> None:
 
 # -- end to end: the launcher's DiLoCo with a worker killed and its replacement healed ---------------------------------
 @pytest.mark.slow
-def test_diloco_trains_on_through_a_kill_and_a_replacement(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["one group", "two groups"])
+def test_diloco_trains_on_through_a_kill_and_a_replacement(
+    tmp_path: Path, layout: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Acceptance 4 on one node: ``algorithm=diloco algorithm.sync_every=10``, member 2 SIGKILLed after step 200,
-    its replacement healed from a survivor: exit 0, no step repeated, accuracy >= 0.95, members 4 -> 3 -> 4."""
+    its replacement healed from a survivor: exit 0, no step repeated, accuracy >= 0.95, members 4 -> 3 -> 4.
+    "two groups": the workers' data over a data group beside the default group, as on GPUs (gloo for nccl2)."""
+    if layout == "two groups":
+        monkeypatch.setenv(reconfigure.DATA_BACKEND_ENV, "gloo")  # the workers inherit it
     run = launch(tmp_path, "algorithm=diloco", "algorithm.sync_every=10", "launch.max_restarts=1",
                  signals=[Signal(at_step(KILL_AT), signal.SIGKILL, [2])])
     check_trained_to_the_end(run)
@@ -329,3 +336,13 @@ def test_diloco_trains_on_through_a_kill_and_a_replacement(tmp_path: Path) -> No
     assert [j["member"] for j in join["joined"]] == [4] and join["members"] == 4 and join["heal_mb"] > 0, f"{run}"
     outer = [r["outer/step"] for r in run.records if "outer/step" in r]
     assert outer[-1] == LAUNCH_STEPS // 10, f"outer steps {outer}\n{run}"
+    # every member's every change (its log's lines from LiveMembership._reconfigure) in the layout asked for
+    changes = {m: re.findall(r"epoch \d+: (.*) reconfigured over \[(.*)\]", (run.run_dir / "logs" /
+                                                                            f"member{m}.log").read_text())
+               for m in (0, 1, 3, 4)}
+    assert [len(members.split(",")) for _, members in changes[0]] == [4, 3, 4], f"{changes}"
+    for m, lines in changes.items():
+        for groups, members in lines:
+            wanted = "default group" if layout == "one group" else \
+                f"default group and data group (gloo, {len(members.split(','))} ranks)"
+            assert groups == wanted, (m, groups, members)

@@ -20,6 +20,7 @@ from loguru import logger
 from torch import Tensor
 from tqdm import tqdm
 
+from decent_train.engine import reconfigure
 from decent_train.engine.membership import local_part
 from decent_train.engine.topology import Topology
 from decent_train.engine.comm import peers_must_answer, run_collective
@@ -236,11 +237,13 @@ class ConsensusProbe:
         mean = mine.clone()
         if replicas > 1:
             with peers_must_answer("the consensus distance's all-reduce"):
-                run_collective(dist.all_reduce, mean, group=self.group)
+                group = self.group if self.group is not None else reconfigure.data_group()  # the data's group
+                run_collective(dist.all_reduce, mean, group=group)
             mean.div_(replicas)
         sums = self.scale * torch.stack(
             [(mine - mean).double().square().sum(), mean.double().square().sum() / replicas]
         )
+        sums = sums.to(reconfigure.control_device(sums.device))  # over the default group: gloo beside a data group
         if world > 1:  # sharded: every shard's sums (each rank's scale is its own shard's)
             with peers_must_answer("the consensus distance's all-reduce"):
                 run_collective(dist.all_reduce, sums)

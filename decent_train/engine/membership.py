@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from decent_train.engine import reconfigure
 from decent_train.engine.comm import peers_must_answer, run_collective
 from decent_train.engine.topology import ShardedTopology, Topology, get_topology_class
 
@@ -35,7 +36,9 @@ class Membership:
     """The members of the default process group as the engine sees them.
 
     ``exchange_group`` is the group pairs exchange and gradients are averaged in: None (the default group), or on a
-    GPU with a time limit a world-wide group that carries it (NCCL's watchdog enforces it; the host never waits).
+    GPU with a time limit a world-wide group that carries it (NCCL's watchdog enforces it; the host never waits), or
+    under live membership on GPUs the data group (``reconfigure.data_group()``, nccl2), which every change of members
+    reconfigures with the default group.
 
     ``shard`` > 1: every ``shard`` consecutive ranks form one replica of a sharded model (FSDP2), rank ``r * shard
     + s`` holding its shard ``s``. Topologies then run over the replicas (``ShardedTopology``), and the collectives
@@ -59,6 +62,12 @@ class Membership:
         self.replicate_group = replicate_group if shard > 1 else None
         if shard > 1 and replicate_group is None and self.replicas > 1:
             self.replicate_group = self._make_replicate_group()
+
+    @property
+    def data_group(self) -> dist.ProcessGroup | None:
+        """The group of the collectives on every member's data (the global average, broadcasts from rank 0): the
+        replicas' (sharded), else live membership's data group on GPUs, else the default group (None)."""
+        return self.replicate_group if self.shard > 1 else reconfigure.data_group()
 
     @property
     def replicas(self) -> int:
@@ -100,6 +109,10 @@ class Membership:
         communicator with every rank (NCCL's first point-to-point batch on a lazily created group must include all
         ranks)."""
         self.group_timeout = self.engine_group_timeout(device)
+        if reconfigure.data_group() is not None:  # live membership on GPUs: the data group. Not ``dist.new_group``,
+            # whose counter of groups a joiner would not share; no all-reduce here: a joiner builds its engine alone
+            self.exchange_group = reconfigure.data_group()
+            return
         if self.world_size == 1 or self.group_timeout is None:
             return
         self.exchange_group = dist.new_group(timeout=self.group_timeout)
@@ -153,14 +166,14 @@ class Membership:
         """Every member takes rank 0's ``tensors`` (sharded: each takes replica 0's of its shard)."""
         if self.replicas > 1:
             for tensor in tensors:
-                run_collective(dist.broadcast, tensor, src=self.first_of_shard, group=self.replicate_group)
+                run_collective(dist.broadcast, tensor, src=self.first_of_shard, group=self.data_group)
 
     def average_(self, tensor: Tensor, what: str | Callable[[], str]) -> None:
         """``tensor`` <- its average over all members (sharded: over the replicas; blocking); ``what`` names the
         collective if a peer fails."""
         if self.replicas > 1:
             with peers_must_answer(what, self.timeout):
-                run_collective(dist.all_reduce, tensor, group=self.replicate_group)
+                run_collective(dist.all_reduce, tensor, group=self.data_group)
             tensor.div_(self.replicas)
 
     def average_tensors_(self, tensors: list[Tensor], what: str | Callable[[], str]) -> None:

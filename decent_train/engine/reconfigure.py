@@ -18,6 +18,7 @@ untested: ``docs/design/live-nccl2.md``.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -27,12 +28,16 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 __all__ = [
-    "MAX_MEMBER_IDS", "PartlyReconfigured", "data_backend_for", "data_group", "group_uuid", "join", "reconfigure",
+    "DATA_BACKEND_ENV", "MAX_MEMBER_IDS", "PartlyReconfigured", "control_device", "data_backend_for", "data_group", "group_uuid", "join", "reconfigure",
     "supported", "why_unsupported",
 ]
 
 MAX_MEMBER_IDS = 1 << 16  # the initial world size: ids (ranks before the first epoch) stay below it
 DATA_GROUP = "decent_train_data"  # the data group's name among c10d's groups (and its prefix in the store)
+
+# Tests only: a CPU worker's data group on this backend ("gloo"), exactly as a CUDA worker's is on nccl2, so that CPU
+# runs exercise the two-group path (docs/design/live-nccl2.md). Read in ``data_backend_for`` and nowhere else.
+DATA_BACKEND_ENV = "DECENT_TRAIN_LIVE_DATA_BACKEND"
 
 _data: dist.ProcessGroup | None = None  # this process's data group (None: the default group carries the data)
 
@@ -65,13 +70,22 @@ def supported(device: torch.device | str = "cpu") -> bool:
 
 
 def data_backend_for(device: torch.device | str) -> str | None:
-    """The data group's backend for a worker training on ``device``: nccl2 on CUDA, none (the default group) else."""
-    return "nccl2" if torch.device(device).type == "cuda" else None
+    """The data group's backend for a worker training on ``device``: nccl2 on CUDA, none (the default group) else;
+    on CPU, tests may ask for a gloo data group (``DECENT_TRAIN_LIVE_DATA_BACKEND=gloo``) to run the CUDA layout."""
+    if torch.device(device).type == "cuda":
+        return "nccl2"
+    return os.environ.get(DATA_BACKEND_ENV) or None
 
 
 def data_group() -> dist.ProcessGroup | None:
     """The group the data goes over (pass it as ``group=``); None where the default group carries it (CPU)."""
     return _data
+
+
+def control_device(device: torch.device) -> torch.device:
+    """Where a tensor for the default group goes: the CPU beside a data group (live membership on GPUs: the default
+    group is gloo, and its control traffic stays on the host), else ``device``."""
+    return torch.device("cpu") if _data is not None else device
 
 
 def group_uuid(uuid: int, index: int) -> int:

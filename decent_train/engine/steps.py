@@ -50,7 +50,7 @@ class BucketSteps:
                     self.scaler._found_inf_per_device(buckets[0].optimizer)[overflow.device] = found[0]
             if members.world_size > 1:
                 with peers_must_answer(f"the overflow check at step {step}", members.timeout):
-                    run_collective(dist.all_reduce, overflow, op=dist.ReduceOp.MAX)
+                    run_collective(dist.all_reduce, overflow, op=dist.ReduceOp.MAX, group=members.exchange_group)
             for t in found:
                 t.copy_(overflow.reshape(()))  # what GradScaler.update() reads
             self.overflow = bool(overflow.item())

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from decent_train.components.data import Datasets
 from decent_train.config import TrainConfig
+from decent_train.engine import reconfigure
 from decent_train.engine.comm import peers_must_answer, run_collective
 from decent_train.training.forward import Precision, cross_entropy
 from decent_train.training.job import Job
@@ -36,6 +37,7 @@ def evaluate(
             sums[1] += (logits.argmax(dim=-1) == y).sum()
             sums[2] += y.numel()
     before_reduce()  # live membership's fence: a member that died while evaluating stops nobody
+    sums = sums.to(reconfigure.control_device(sums.device))  # over the default group: gloo beside a data group
     with peers_must_answer("the evaluation's all-reduce"):
         run_collective(dist.all_reduce, sums)
     net.train(was_training)

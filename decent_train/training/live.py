@@ -329,9 +329,16 @@ class LiveMembership:
         return lost
 
     # -- joining ------------------------------------------------------------------------------------------------
-    def start(self) -> None:
-        """Start the reconfigurable group (no peer is contacted yet)."""
-        reconfigure.join(self.store, self.id, self.timeout)
+    def start(self, device_kind: str) -> torch.device:
+        """Start the reconfigurable groups (no peer is contacted yet) and return the device to train on. On CUDA
+        (``launch.device``; one GPU per local rank) the data goes over a second group on nccl2
+        (``reconfigure.data_backend_for``), bound to the device set here first; the default group stays gloo."""
+        device = torch.device("cpu")
+        if device_kind == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        reconfigure.join(self.store, self.id, self.timeout, data_backend=reconfigure.data_backend_for(device))
+        return device
 
     def join(self) -> Plan:
         """Announce this worker (ready: its model is built) and :meth:`enter` the first plan that has it."""
@@ -357,7 +364,16 @@ class LiveMembership:
             if done:  # the new group's limit: the full one (a change may run inside a record step's bound)
                 self._limit = timedelta(0)
                 self._set_limit(self.timeout)
+                data = reconfigure.data_group()
+                groups = "default group" if data is None else f"default group and data group ({data.name()}, " \
+                    f"{data.size()} ranks)"
+                logger.debug(f"member {self.id}: epoch {plan.epoch}: {groups} reconfigured over {plan.members}")
             return done
+        except reconfigure.PartlyReconfigured:  # the default group is in the epoch, the data group is not: a newer
+            # plan reconfigures both again (whatever state each is in); this member has not changed
+            if self._newest_epoch() <= plan.epoch:
+                self.wait_for_newer_plan(after=plan.epoch)
+            return False
         except (RuntimeError, dist.DistError):
             if self._newest_epoch() > plan.epoch:
                 return False
@@ -467,12 +483,13 @@ class LiveMembership:
         self.plan, self._fences = plan, 0
         return plan
 
-    def wait_for_newer_plan(self, peer: int | None = None) -> None:
-        """A peer failed during the change: wait for the coordinator's plan without it. The peer (member id) may be
-        alive (a transient error, or it stalled past the limit): after ``comm_timeout_s`` it is reported to the
-        coordinator; after as long again this worker gives up (WaitTimeout: it exits, and is declared lost)."""
+    def wait_for_newer_plan(self, peer: int | None = None, after: int | None = None) -> None:
+        """A peer failed during the change: wait for the coordinator's plan without it (one after epoch ``after``,
+        by default this worker's). The peer (member id) may be alive (a transient error, or it stalled past the
+        limit): after ``comm_timeout_s`` it is reported to the coordinator; after as long again this worker gives up
+        (WaitTimeout: it exits, and is declared lost)."""
         bound = self.timeout.total_seconds()
-        newer = Keys.plan(self.plan.epoch + 1)
+        newer = Keys.plan((self.plan.epoch if after is None else after) + 1)
         if wait_for_key(self.store, newer, time.monotonic() + bound):
             return
         if peer is not None:
@@ -499,7 +516,9 @@ def receive_state(rank: int) -> tuple[dict[str, Any], int]:
     dist.recv(size, rank)
     payload = torch.empty(int(size), dtype=torch.uint8)
     dist.recv(payload, rank)
-    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False), int(size)
+    # onto the CPU: a CUDA donor's tensors name its own GPU; loading the state copies them to this worker's device
+    state = torch.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu", weights_only=False)
+    return state, int(size)
 
 
 def rank_of(plan: Plan, member: int) -> int:

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from decent_train.components.checkpoint import complete_checkpoints
 from decent_train.components.metrics import MetricLogger, held_bytes, optimizer_state_tensors, peak_memory_bytes
 from decent_train.config import DIVERGED_FILE
+from decent_train.engine import reconfigure
 from decent_train.engine.comm import peers_must_answer, run_collective
 from decent_train.training.job import Job
 
@@ -172,7 +173,9 @@ class Recorder:
 
 
 def gather(values: list[float | torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Every worker's values, one row per rank (a few numbers: cheap)."""
+    """Every worker's values, one row per rank (a few numbers: cheap); over the default group (on the CPU beside a
+    data group: ``reconfigure.control_device``)."""
+    device = reconfigure.control_device(device)
     row = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
     rows = torch.zeros(dist.get_world_size(), len(values), dtype=torch.float64, device=device)
     rows[dist.get_rank()] = row
