@@ -356,6 +356,28 @@ class Cluster:
             proc.wait()
 
 
+def kill_a_node(cluster: Cluster, holds_rank_0: bool, spare: bool) -> tuple[int | None, int | None, list[int]]:
+    """Start 3 agents, SIGKILL one node's agent and workers (its process group) once KILL_AT is recorded, the one
+    holding rank 0 or one that does not; with ``spare``, a fourth agent once training runs (it waits while the run is
+    full). The coordinator's exit code, the last step recorded before the kill, the killed node's members."""
+    try:
+        for _ in range(3):
+            cluster.start_agent()
+        start, killed_at, victims = time.monotonic(), None, []
+        while cluster.coordinator.poll() is None:
+            assert time.monotonic() - start < TIMEOUT_S, f"no exit within {TIMEOUT_S} s{cluster.consoles()}"
+            if spare and len(cluster.agents) == 3 and cluster.last_step() >= SPARE_AT:
+                cluster.start_agent()
+            if killed_at is None and cluster.last_step() >= KILL_AT:
+                victim = next(k for k in range(3) if (0 in cluster.members_of(k)) == holds_rank_0)
+                victims, killed_at = cluster.members_of(victim), cluster.last_step()
+                os.killpg(cluster.agents[victim].pid, signal.SIGKILL)
+            time.sleep(0.01)
+        return cluster.coordinator.returncode, killed_at, victims
+    finally:
+        cluster.close()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not reconfigure.supported(), reason="live membership needs torch >= 2.14")
 def test_a_node_killed_leaves_in_one_change_and_a_spare_node_joins_as_a_group(tmp_path: Path) -> None:
@@ -366,23 +388,8 @@ def test_a_node_killed_leaves_in_one_change_and_a_spare_node_joins_as_a_group(tm
                       "logger.log_every=10", "logger.progress_bar=false", "fault_tolerance.detect_s=2",
                       # the new rank 0 would start a wandb run of its own (offline: ~2 s here) inside the change
                       "logger.wandb.mode=disabled")
-    try:
-        for _ in range(3):
-            cluster.start_agent()
-        start, killed_at, victims = time.monotonic(), None, []
-        while cluster.coordinator.poll() is None:
-            assert time.monotonic() - start < TIMEOUT_S, f"no exit within {TIMEOUT_S} s{cluster.consoles()}"
-            if len(cluster.agents) == 3 and cluster.last_step() >= SPARE_AT:
-                cluster.start_agent()  # a spare node (launch.nnodes=3 are in): it joins once a node has left
-            if killed_at is None and cluster.last_step() >= KILL_AT:
-                # rank 0's node (member 0's): the records, the evaluation and the result move to a survivor
-                victim = next(k for k in range(3) if 0 in cluster.members_of(k))
-                victims, killed_at = cluster.members_of(victim), cluster.last_step()
-                os.killpg(cluster.agents[victim].pid, signal.SIGKILL)  # the node: its agent and every worker
-            time.sleep(0.01)
-        code = cluster.coordinator.returncode
-    finally:
-        cluster.close()
+    # rank 0's node (member 0's): the records, the evaluation and the result move to a survivor
+    code, killed_at, victims = kill_a_node(cluster, holds_rank_0=True, spare=True)
     context = cluster.consoles()
     assert code == 0 and killed_at is not None, f"exit {code}{context}"
     rows = records(cluster.run_dir)
@@ -499,20 +506,7 @@ def test_diloco_across_nodes_goes_on_without_a_node_killed(tmp_path: Path) -> No
     cluster = Cluster(tmp_path, "launch.nnodes=3", "launch.nproc_per_node=2", f"steps={steps}", "algorithm=diloco",
                       "algorithm.sync_every=10", "logger.log_every=10", "logger.progress_bar=false",
                       "fault_tolerance.detect_s=2", "logger.wandb.mode=disabled")
-    try:
-        for _ in range(3):
-            cluster.start_agent()
-        start, killed_at, victims = time.monotonic(), None, []
-        while cluster.coordinator.poll() is None:
-            assert time.monotonic() - start < TIMEOUT_S, f"no exit within {TIMEOUT_S} s{cluster.consoles()}"
-            if killed_at is None and cluster.last_step() >= KILL_AT:
-                victim = next(k for k in range(3) if 0 not in cluster.members_of(k))
-                victims, killed_at = cluster.members_of(victim), cluster.last_step()
-                os.killpg(cluster.agents[victim].pid, signal.SIGKILL)
-            time.sleep(0.01)
-        code = cluster.coordinator.returncode
-    finally:
-        cluster.close()
+    code, killed_at, victims = kill_a_node(cluster, holds_rank_0=False, spare=False)
     context = cluster.consoles()
     assert code == 0 and killed_at is not None, f"exit {code}{context}"
     rows = records(cluster.run_dir)
