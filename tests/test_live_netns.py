@@ -1,0 +1,238 @@
+"""Live fault tolerance over real nodes (issue 39, acceptance 1 and 3): the coordinator in the test's own network
+namespace, one node agent per node namespace (tests/netns.py), the faults caused for real.
+
+- A node cut off the network (tc blackhole both ways: its processes run on, TCP sees silence): its 2 members leave in
+  one change (6 -> 4); the survivors' longest gap between records stays under the bound docs/fault-tolerance.md
+  derives ("Partitions and the detection bound"); the cut node's agent exits 1 with nothing left in its namespace,
+  and its workers write no record and no checkpoint after the cut.
+- A node killed (its agent's whole process group SIGKILLed), and a spare node added to the network mid-run: 6 -> 4 in
+  one change, then 4 -> 6, the spare's workers healed from established members.
+
+Each test is one launch (3 nodes x 2 workers); slow, and skipped where namespaces cannot be made (nodes_available).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from decent_train.engine import reconfigure
+from decent_train.launcher.coordinator import POLL_S as COORDINATOR_LOOK_S
+from decent_train.training.live import HEARTBEAT_S
+
+from .jobs import COMMAND, records
+from .netns import Network, Node, nodes, nodes_available
+from .test_live_nodes import _records_written
+
+REASON = nodes_available()
+DETECT_S = 2.0
+STEPS = 160
+# with a spare: room for its workers to start beside 6 training ones (import torch, build: 30-60 s on 2 loaded cores)
+SPARE_STEPS = 2400
+LOG_EVERY = 10
+FAULT_AT = 60  # the fault once rank 0 has written this step's record
+SPARE_AT = 10  # the spare node starts once training runs; it waits (the run is full) until a node has left
+TIMEOUT_S = 480
+ACCURACY = 0.95  # what the other live tests ask
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(REASON is not None, reason=REASON or ""),
+    pytest.mark.skipif(not reconfigure.supported(), reason="live membership needs torch >= 2.14"),
+]
+
+
+class NodesJob:
+    """A coordinator (root namespace) and one agent per node namespace, their consoles in files under tmp_path."""
+
+    def __init__(self, tmp_path: Path, network: Network, steps: int) -> None:
+        self.tmp_path, self.network, self.run_dir = tmp_path, network, tmp_path / "run"
+        with socket.socket() as probe:
+            probe.bind((network.root_address, 0))
+            port = probe.getsockname()[1]
+        self.common = [str(COMMAND), "fault_tolerance=live", f"launch.rdzv_endpoint={network.root_address}:{port}",
+                       "launch.rdzv_id=nodes"]
+        with (tmp_path / "coordinator.txt").open("w") as out:
+            self.coordinator = subprocess.Popen(
+                [*self.common, "fault_tolerance.role=coordinator", "launch.nnodes=3", "launch.nproc_per_node=2",
+                 f"steps={steps}", f"logger.log_every={LOG_EVERY}", "logger.progress_bar=false",
+                 # no checkpoint at FAULT_AT: a cut inside a record step's collectives has another bound (docs)
+                 f"fault_tolerance.detect_s={DETECT_S:g}", "checkpoint.every=25",
+                 "logger.wandb.mode=disabled",  # a new rank 0's wandb start would sit inside the change
+                 f"hydra.run.dir={self.run_dir}"],
+                cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.agents: list[subprocess.Popen[bytes]] = []
+        for node in network.nodes:
+            self.start_agent(node)
+
+    def start_agent(self, node: Node) -> subprocess.Popen[bytes]:
+        """The agent of ``node``, choosing its own interface (no *_SOCKET_IFNAME: what a real node's agent does)."""
+        k = len(self.agents)
+        env = {key: value for key, value in os.environ.items() if "SOCKET_IFNAME" not in key}
+        with (self.tmp_path / f"agent{k}.txt").open("w") as out:
+            agent = node.popen([*self.common, "fault_tolerance.role=agent",
+                                f"hydra.run.dir={self.tmp_path / f'agent{k}'}"], env=env, cwd=self.tmp_path, stdout=out,
+                               stderr=subprocess.STDOUT)
+        self.agents.append(agent)
+        return agent
+
+    def members_of(self, k: int) -> list[int]:
+        """The members agent ``k`` started (its launcher.log's first line names them)."""
+        log = self.tmp_path / f"agent{k}" / "launcher.log"
+        for line in log.read_text().splitlines() if log.exists() else []:
+            if "workers (members" in line:
+                return [int(m) for m in line.split("(members ")[1].split(")")[0].split(", ")]
+        return []
+
+    def last_step(self) -> int:
+        with contextlib.suppress(FileNotFoundError):
+            steps = []
+            for line in (self.run_dir / "metrics.jsonl").read_text().splitlines():
+                with contextlib.suppress(ValueError):
+                    steps.append(json.loads(line)["step"])
+            return max(steps, default=-1)
+        return -1
+
+    def consoles(self) -> str:
+        out = ""
+        for path in sorted(self.tmp_path.glob("*.txt")):
+            out += f"\n--- {path.name} ---\n" + path.read_text(errors="replace")[-3000:]
+        for log in sorted((self.run_dir / "logs").glob("member*.log")) if (self.run_dir / "logs").exists() else []:
+            lines = [x for x in log.read_text(errors="replace").splitlines() if "metrics:log" not in x]
+            out += f"\n--- {log.name} (tail) ---\n" + "\n".join(lines[-6:])
+        return out
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.coordinator.pid, signal.SIGKILL)
+        self.coordinator.wait()
+
+
+def _lines_after(log: Path, wall: float, marks: tuple[str, ...]) -> list[str]:
+    """The lines of a member's log stamped after ``wall`` that contain one of ``marks``."""
+    found = []
+    for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+        with contextlib.suppress(ValueError):
+            stamp = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S.%f").timestamp()
+            if stamp > wall and any(mark in line for mark in marks):
+                found.append(line)
+    return found
+
+
+def _gap_and_bound(run_dir: Path, steps: list[int], fault_wall: float, change_step: int) -> tuple[float, float]:
+    """The survivors' longest gap between records around the fault, and the bound docs/fault-tolerance.md derives
+    for it: the time from rank 0's last record to the fault, + detect_s (the coordinator hears no beat) +
+    HEARTBEAT_S (the agent's last beat) + the coordinator's look + HEARTBEAT_S (the workers see the plan and sever
+    the lost host) + two record intervals (the steps to the next record step, trained after the sever, and the
+    change), each the longest this run measured before the fault (wall clock, as rank 0 logged its records)."""
+    written = _records_written(run_dir)
+    before = [s for s in steps if written[s] <= fault_wall]
+    last = before[-1]
+    interval = max(written[b] - written[a] for a, b in zip(before, before[1:]))
+    after = next(s for s in steps if s > max(last, change_step))  # the survivors' first record after the change
+    around = [s for s in steps if last <= s <= after]
+    gap = max(written[b] - written[a] for a, b in zip(around, around[1:]))
+    bound = (fault_wall - written[last]) + DETECT_S + 2 * HEARTBEAT_S + COORDINATOR_LOOK_S + 2 * interval
+    print(f"longest gap between the survivors' records around the fault: {gap:.2f} s (bound {bound:.2f} s: "
+          f"{fault_wall - written[last]:.2f} s to the fault, detect_s={DETECT_S:g}, record interval {interval:.2f} s)")
+    return gap, bound
+
+
+def _run(tmp_path: Path, fault: str, steps: int) -> dict[str, Any]:
+    """One launch with ``fault`` ("cut" or "kill") on a node other than rank 0's once step FAULT_AT is recorded
+    (with "kill", a spare node started at SPARE_AT); what the checks need."""
+    with nodes(3, rate_mbit=1000) as network:
+        job = NodesJob(tmp_path, network, steps)
+        try:
+            start, fault_wall, victim, spare, seen = time.monotonic(), None, None, None, {}
+            while job.coordinator.poll() is None:
+                assert time.monotonic() - start < TIMEOUT_S, f"no exit within {TIMEOUT_S} s{job.consoles()}"
+                step = job.last_step()
+                if fault == "kill" and spare is None and step >= SPARE_AT:
+                    spare = network.add_node()
+                    job.start_agent(spare)
+                if fault_wall is None and step >= FAULT_AT:
+                    # not rank 0's node: rank 0 writes the records, and must be a survivor for them to say anything
+                    victim = next(k for k in range(3) if job.members_of(k) and 0 not in job.members_of(k))
+                    seen["step"], seen["victims"] = step, job.members_of(victim)
+                    fault_wall = time.time()
+                    network.nodes[victim].cut() if fault == "cut" else network.nodes[victim].kill()
+                if fault == "cut" and fault_wall is not None and "agent_exit" not in seen:
+                    code = job.agents[victim].poll()
+                    if code is not None:
+                        seen["agent_exit"], seen["agent_exit_s"] = code, time.time() - fault_wall
+                        seen["left_in_namespace"] = subprocess.run(
+                            ["ip", "netns", "pids", network.nodes[victim].namespace], capture_output=True,
+                            text=True).stdout.split()
+                time.sleep(0.02)
+            code = job.coordinator.returncode
+            seen["spare"] = job.members_of(3) if fault == "kill" else []
+        finally:
+            job.close()
+        context = job.consoles()
+    assert code == 0 and fault_wall is not None, f"exit {code}{context}"
+    return {**seen, "steps": steps, "fault_wall": fault_wall, "context": context, "run_dir": job.run_dir}
+
+
+def _common_checks(run: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Steps never repeat, the node's members leave in one change (6 -> 4) after the fault, the gap bound, accuracy;
+    the result's changes."""
+    run_dir, context, victims = run["run_dir"], run["context"], run["victims"]
+    rows = records(run_dir)
+    steps = [r["step"] for r in rows]
+    assert all(x < y for x, y in zip(steps, steps[1:])) and steps[-1] == run["steps"], f"{steps}{context}"
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["eval/accuracy"] >= ACCURACY, f"{result}{context}"
+    changes = result["membership_changes"]
+    loss = changes[0]
+    assert len(victims) == 2 and sorted(x["member"] for x in loss["lost"]) == sorted(victims), f"{loss}{context}"
+    assert loss["members"] == 4 and loss["joined"] == [] and loss["step"] >= run["step"], f"{loss}{context}"
+    gap, bound = _gap_and_bound(run_dir, steps, run["fault_wall"], loss["step"])
+    assert gap <= bound, f"gap {gap:.2f} s > bound {bound:.2f} s{context}"
+    return rows, changes
+
+
+def test_a_node_cut_off_leaves_in_one_change_and_writes_nothing_after(tmp_path: Path) -> None:
+    run = _run(tmp_path, "cut", STEPS)
+    rows, changes = _common_checks(run)
+    context, run_dir, victims = run["context"], run["run_dir"], run["victims"]
+    counts = [r["world/members"] for r in rows]
+    assert [n for i, n in enumerate(counts) if i == 0 or counts[i - 1] != n] == [6, 4], f"{counts}{context}"
+    assert len(changes) == 1, f"{changes}{context}"
+    # the cut node's agent: no answer from the coordinator for detect_s, kills its workers, exits 1
+    assert run.get("agent_exit") == 1, f"{run.get('agent_exit')}{context}"
+    assert run["agent_exit_s"] < DETECT_S + 5, f"{run['agent_exit_s']}{context}"
+    assert run["left_in_namespace"] == [], f"still in the cut node's namespace: {run['left_in_namespace']}{context}"
+    # its workers wrote no record and no checkpoint after the cut (rank 0, the records' writer, is a survivor's)
+    for member in victims:
+        late = _lines_after(run_dir / "logs" / f"member{member}.log", run["fault_wall"],
+                            ("metrics:log", "checkpointer:save"))
+        assert late == [], f"member {member} of the cut node after the cut: {late}{context}"
+    for manifest in (run_dir / "checkpoints").glob("step_*/manifest.json"):
+        if manifest.stat().st_mtime > run["fault_wall"]:  # written after the cut: by the 4 survivors only
+            written = json.loads(manifest.read_text())
+            assert written["world_size"] == 4, f"{manifest}: {written}{context}"
+
+
+def test_a_node_killed_leaves_in_one_change_and_a_spare_node_joins(tmp_path: Path) -> None:
+    run = _run(tmp_path, "kill", SPARE_STEPS)
+    rows, changes = _common_checks(run)
+    context, victims, spare = run["context"], run["victims"], run["spare"]
+    counts = [r["world/members"] for r in rows]
+    assert [n for i, n in enumerate(counts) if i == 0 or counts[i - 1] != n] == [6, 4, 6], f"{counts}{context}"
+    assert len(changes) == 2, f"{changes}{context}"
+    join = changes[1]
+    assert len(spare) == 2 and sorted(j["member"] for j in join["joined"]) == sorted(spare), f"{join}{context}"
+    assert join["members"] == 6 and join["lost"] == [], f"{join}{context}"
+    established = set(range(6)) - set(victims)
+    assert all(j["donor"] in established for j in join["joined"]), f"{join}{context}"
