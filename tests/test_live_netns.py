@@ -28,7 +28,7 @@ import pytest
 
 from decent_train.engine import reconfigure
 from decent_train.launcher.coordinator import POLL_S as COORDINATOR_LOOK_S
-from decent_train.training.live import HEARTBEAT_S
+from decent_train.training.live import HEARTBEAT_S, RECORD_FLOOR_S, RECORD_K
 
 from .jobs import COMMAND, records
 from .netns import Network, Node, nodes, nodes_available
@@ -143,8 +143,15 @@ def _gap_and_bound(run_dir: Path, steps: list[int], fault_wall: float, change_st
     around = [s for s in steps if last <= s <= after]
     gap = max(written[b] - written[a] for a, b in zip(around, around[1:]))
     bound = (fault_wall - written[last]) + DETECT_S + 2 * HEARTBEAT_S + COORDINATOR_LOOK_S + 2 * interval
+    # A fault inside a record step's collectives (the lost node's workers had passed its barrier): the members that
+    # were not talking to the lost node wait out that step's derived bound for those that bailed out (docs).
+    cut_collective = any(_lines_after(log, fault_wall, ("the rest of this step's records is skipped",))
+                         for log in (run_dir / "logs").glob("member*.log"))
+    if cut_collective:
+        bound += max(RECORD_FLOOR_S, RECORD_K * interval / LOG_EVERY)
     print(f"longest gap between the survivors' records around the fault: {gap:.2f} s (bound {bound:.2f} s: "
-          f"{fault_wall - written[last]:.2f} s to the fault, detect_s={DETECT_S:g}, record interval {interval:.2f} s)")
+          f"{fault_wall - written[last]:.2f} s to the fault, detect_s={DETECT_S:g}, record interval {interval:.2f} s"
+          f"{', inside a record step' + chr(39) + 's collectives' if cut_collective else ''})")
     return gap, bound
 
 
@@ -155,13 +162,20 @@ def _run(tmp_path: Path, fault: str, steps: int) -> dict[str, Any]:
         job = NodesJob(tmp_path, network, steps)
         try:
             start, fault_wall, victim, spare, seen = time.monotonic(), None, None, None, {}
+            first_seen: dict[int, float] = {}  # record step -> when this test first saw it
             while job.coordinator.poll() is None:
                 assert time.monotonic() - start < TIMEOUT_S, f"no exit within {TIMEOUT_S} s{job.consoles()}"
                 step = job.last_step()
                 if fault == "kill" and spare is None and step >= SPARE_AT:
                     spare = network.add_node()
                     job.start_agent(spare)
-                if fault_wall is None and step >= FAULT_AT:
+                if step >= 0 and step not in first_seen:
+                    first_seen[step] = time.monotonic()
+                # half a record interval after rank 0's record of FAULT_AT: between record steps, not inside the
+                # record step's collectives (the consensus all-reduce, the checkpoint gather), whose bound is another
+                past = sorted(s for s in first_seen if s >= FAULT_AT - LOG_EVERY)
+                if fault_wall is None and len(past) >= 2 and time.monotonic() >= first_seen[past[1]] + (
+                        first_seen[past[1]] - first_seen[past[0]]) / 2:
                     # not rank 0's node: rank 0 writes the records, and must be a survivor for them to say anything
                     victim = next(k for k in range(3) if job.members_of(k) and 0 not in job.members_of(k))
                     seen["step"], seen["victims"] = step, job.members_of(victim)
@@ -197,6 +211,8 @@ def _common_checks(run: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str,
     loss = changes[0]
     assert len(victims) == 2 and sorted(x["member"] for x in loss["lost"]) == sorted(victims), f"{loss}{context}"
     assert loss["members"] == 4 and loss["joined"] == [] and loss["step"] >= run["step"], f"{loss}{context}"
+    # one plan (epoch 1, after the founders' 0): a plan per member, batched into one change at the record step, fails
+    assert loss["epoch"] == 1, f"the node's members left in {loss['epoch']} plans: {changes}{context}"
     gap, bound = _gap_and_bound(run_dir, steps, run["fault_wall"], loss["step"])
     assert gap <= bound, f"gap {gap:.2f} s > bound {bound:.2f} s{context}"
     return rows, changes
@@ -229,7 +245,10 @@ def test_a_node_killed_leaves_in_one_change_and_a_spare_node_joins(tmp_path: Pat
     rows, changes = _common_checks(run)
     context, victims, spare = run["context"], run["victims"], run["spare"]
     counts = [r["world/members"] for r in rows]
-    assert [n for i, n in enumerate(counts) if i == 0 or counts[i - 1] != n] == [6, 4, 6], f"{counts}{context}"
+    # the records may miss the 4 (the spare can join before the next record step, the loss's record step skipped):
+    # the changes below say 6 -> 4 -> 6; the records never say another count
+    collapsed = [n for i, n in enumerate(counts) if i == 0 or counts[i - 1] != n]
+    assert collapsed in ([6, 4, 6], [6]), f"{counts}{context}"
     assert len(changes) == 2, f"{changes}{context}"
     join = changes[1]
     assert len(spare) == 2 and sorted(j["member"] for j in join["joined"]) == sorted(spare), f"{join}{context}"
