@@ -32,7 +32,7 @@ from decent_train.training.live import HEARTBEAT_S, RECORD_FLOOR_S, RECORD_K
 
 from .jobs import COMMAND, records
 from .netns import Network, Node, nodes, nodes_available
-from .test_live_nodes import _records_written
+from .test_live_nodes import Cluster, _records_written
 
 REASON = nodes_available()
 DETECT_S = 2.0
@@ -52,8 +52,9 @@ pytestmark = [
 ]
 
 
-class NodesJob:
-    """A coordinator (root namespace) and one agent per node namespace, their consoles in files under tmp_path."""
+class NodesJob(Cluster):
+    """A coordinator (root namespace) and one agent per node namespace, their consoles in files under tmp_path
+    (``Cluster``'s, with the nodes as namespaces)."""
 
     def __init__(self, tmp_path: Path, network: Network, steps: int) -> None:
         self.tmp_path, self.network, self.run_dir = tmp_path, network, tmp_path / "run"
@@ -85,32 +86,6 @@ class NodesJob:
                                stderr=subprocess.STDOUT)
         self.agents.append(agent)
         return agent
-
-    def members_of(self, k: int) -> list[int]:
-        """The members agent ``k`` started (its launcher.log's first line names them)."""
-        log = self.tmp_path / f"agent{k}" / "launcher.log"
-        for line in log.read_text().splitlines() if log.exists() else []:
-            if "workers (members" in line:
-                return [int(m) for m in line.split("(members ")[1].split(")")[0].split(", ")]
-        return []
-
-    def last_step(self) -> int:
-        with contextlib.suppress(FileNotFoundError):
-            steps = []
-            for line in (self.run_dir / "metrics.jsonl").read_text().splitlines():
-                with contextlib.suppress(ValueError):
-                    steps.append(json.loads(line)["step"])
-            return max(steps, default=-1)
-        return -1
-
-    def consoles(self) -> str:
-        out = ""
-        for path in sorted(self.tmp_path.glob("*.txt")):
-            out += f"\n--- {path.name} ---\n" + path.read_text(errors="replace")[-3000:]
-        for log in sorted((self.run_dir / "logs").glob("member*.log")) if (self.run_dir / "logs").exists() else []:
-            lines = [x for x in log.read_text(errors="replace").splitlines() if "metrics:log" not in x]
-            out += f"\n--- {log.name} (tail) ---\n" + "\n".join(lines[-6:])
-        return out
 
     def close(self) -> None:
         with contextlib.suppress(ProcessLookupError):
