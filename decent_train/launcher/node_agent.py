@@ -40,7 +40,7 @@ from decent_train.config import RESOLVED_CONFIG, TrainConfig, check_config
 from decent_train.launcher.coordinator import NodeKeys, exit_reason
 from decent_train.launcher.launch import AGENT_PID_ENV, WORKER_MODULE, StopForwarding, WorkerFailure, \
     default_threads_per_worker
-from decent_train.training.live import HEARTBEAT_S, MEMBER_ENV, STORE_ENV, Keys
+from decent_train.training.live import HEARTBEAT_S, MEMBER_ENV, STORE_ENV, Keys, address_towards
 from decent_train.training.stop import FORWARDED
 
 POLL_S = 0.02  # between two looks at the worker processes (an exit is seen this soon)
@@ -307,11 +307,10 @@ def interface_towards(host: str, port: str) -> str | None:
     """The network interface this host reaches ``host`` on (gloo binds there: ``GLOO_SOCKET_IFNAME``), or None for
     a loopback address or when it cannot be told."""
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, int(port)))  # a UDP connect sends nothing: it picks the route
-            address = probe.getsockname()[0]
-            if address.startswith("127."):
-                return None
+        address = address_towards(host, int(port))
+        if address.startswith("127."):
+            return None
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # asks for each interface's address
             for _, name in socket.if_nameindex():
                 with contextlib.suppress(OSError):
                     packed = fcntl.ioctl(probe.fileno(), SIOCGIFADDR, struct.pack("256s", name[:15].encode()))

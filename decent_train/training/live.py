@@ -217,15 +217,19 @@ class LiveMembership:
             except (RuntimeError, dist.DistError):  # the store went away: the launcher ended
                 return
 
+    def _plan_of(self, epoch: int) -> Plan:
+        """``epoch``'s plan, read once by the heartbeat thread (its own store connection; the newest one kept)."""
+        if epoch not in self._plans:
+            self._plans = {epoch: Plan.loads(self._beat_store.get(Keys.plan(epoch)))}
+        return self._plans[epoch]
+
     def _end_a_hopeless_wait(self, newest: int) -> None:
         """The main thread waits at a barrier for a member that a newer plan declared dead (it never comes): propose
         the change, which ends the wait of every member there (the verdict is the key they wait on)."""
         waiting = self._waiting
         if waiting is None or newest <= waiting[1].epoch:
             return
-        if newest not in self._plans:
-            self._plans = {newest: Plan.loads(self._beat_store.get(Keys.plan(newest)))}
-        if set(waiting[1].members) - set(self._plans[newest].members):
+        if set(waiting[1].members) - set(self._plan_of(newest).members):
             self._beat_store.compare_set(waiting[0], "", "change")
 
     def _sever_lost_hosts(self, newest: int) -> None:
@@ -237,9 +241,7 @@ class LiveMembership:
         if plan is None or newest <= max(plan.epoch, self._severed_for):
             return
         self._severed_for = newest
-        if newest not in self._plans:
-            self._plans = {newest: Plan.loads(self._beat_store.get(Keys.plan(newest)))}
-        lost = set(plan.members) - set(self._plans[newest].members)
+        lost = set(plan.members) - set(self._plan_of(newest).members)
         if not lost:
             return
         hosts = dict(zip(plan.members, (a.decode() for a in self._beat_store.multi_get(
