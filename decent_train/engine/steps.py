@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from decent_train.engine.buckets import Bucket
 from decent_train.engine.comm import peers_must_answer, run_collective
+from decent_train.engine.fused_step import step_and_zero_grad
 from decent_train.engine.membership import Membership
 
 __all__ = ["BucketSteps"]
@@ -61,9 +62,13 @@ class BucketSteps:
     def step(self, bucket: Bucket) -> None:
         """The bucket's optimizer and scheduler step; with fp16 loss scaling, unless a gradient overflowed on some
         worker (the bucket's gradients are unscaled already: what ``GradScaler.step`` does, without its host sync)."""
-        if not self.scaled or (not self.overflow and bucket.has_grads()):
+        if self.scaled:
+            if not self.overflow and bucket.has_grads():
+                bucket.optimizer.step()
+            bucket.optimizer.zero_grad(set_to_none=True)
+        elif not step_and_zero_grad(bucket.optimizer):
             bucket.optimizer.step()
-        bucket.optimizer.zero_grad(set_to_none=True)
+            bucket.optimizer.zero_grad(set_to_none=True)
         if bucket.scheduler is not None:
             bucket.scheduler.step()
 
