@@ -28,9 +28,9 @@ from tests.distributed import run_workers
 STEPS = 8
 
 
-def _params(seed: int = 0) -> list[nn.Parameter]:
-    g = torch.Generator().manual_seed(seed)
-    return [nn.Parameter(torch.randn(shape, generator=g)) for shape in [(4, 3), (3,), (5, 2), (2,)]]
+def _params(device: str = "cpu") -> list[nn.Parameter]:
+    g = torch.Generator().manual_seed(0)
+    return [nn.Parameter(torch.randn(shape, generator=g).to(device)) for shape in [(4, 3), (3,), (5, 2), (2,)]]
 
 
 def _optimizer(cls: type[Optimizer], params: list[nn.Parameter], **kwargs: Any) -> Optimizer:
@@ -43,8 +43,8 @@ CASES = [(AdamW, {}), (Adam, {"amsgrad": True}), (AdamW, {"maximize": True, "bet
 
 
 @pytest.mark.parametrize(("cls", "kwargs"), CASES, ids=["adamw", "adam-amsgrad", "adamw-maximize", "adamw-tensor-lr"])
-def test_step_and_zero_grad_equals_torchs_step(cls: type[Optimizer], kwargs: dict[str, Any]) -> None:
-    ours, theirs = _params(), _params()
+def test_step_and_zero_grad_equals_torchs_step(cls: type[Optimizer], kwargs: dict[str, Any], device: str = "cpu") -> None:
+    ours, theirs = _params(device), _params(device)
     ours_opt, theirs_opt = _optimizer(cls, ours, **kwargs), _optimizer(cls, theirs, **copy.deepcopy(kwargs))
     schedulers = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.7) for o in (ours_opt, theirs_opt)]
     g = torch.Generator().manual_seed(1)
@@ -55,7 +55,7 @@ def test_step_and_zero_grad_equals_torchs_step(cls: type[Optimizer], kwargs: dic
             ours_opt.load_state_dict(saved)
             theirs_opt.load_state_dict(copy.deepcopy(saved))
         for i, (a, b) in enumerate(zip(ours, theirs)):
-            grad = torch.randn(a.shape, generator=g)
+            grad = torch.randn(a.shape, generator=g).to(device)
             a.grad, b.grad = (None, None) if (step == 3 and i == 1) else (grad.clone(), grad.clone())
         theirs_opt.step()
         theirs_opt.zero_grad(set_to_none=True)
@@ -73,6 +73,13 @@ def test_step_and_zero_grad_equals_torchs_step(cls: type[Optimizer], kwargs: dic
     for a, b in zip(ours, theirs):
         for key, value in theirs_opt.state[b].items():
             assert torch.equal(ours_opt.state[a][key], value), key
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh runs these on one)")
+@pytest.mark.parametrize(("cls", "kwargs"), CASES[:2], ids=["adamw", "adam-amsgrad"])
+def test_step_and_zero_grad_equals_torchs_step_on_cuda(cls: type[Optimizer], kwargs: dict[str, Any]) -> None:
+    test_step_and_zero_grad_equals_torchs_step(cls, kwargs, device="cuda")
 
 
 class _AdamWSubclass(AdamW):
