@@ -11,7 +11,8 @@ on CUDA in both loops; ``--precision fp16`` adds a GradScaler to both loops). Th
 engine is faster). ``--variants`` adds engines built otherwise, to tell where time goes: ``update-thread`` (buckets
 update on a thread and CUDA stream of their own, not on autograd's thread), ``per-parameter-hooks`` (a hook per
 parameter), ``one-bucket``, ``foreach`` (torch's foreach AdamW instead of fused), ``deferred`` (every bucket steps
-at the end of backward). ``--compile``
+at the end of backward), ``optimizer-step`` (each bucket's AdamW through torch's ``Optimizer.step()``, not
+engine/fused_step.py's direct call). ``--compile``
 compiles the model in every loop; ``--profile DIR`` writes torch.profiler's tables of a few steps of each loop. On CPU
 the same command with small sizes (``--image-size 32 --batch-resnet 4 --gpt-layers 2 ...``) checks that it runs.
 """
@@ -89,7 +90,8 @@ def plain_loop(model: nn.Module, batch: tuple[Tensor, Tensor], args: argparse.Na
     return step
 
 
-ENGINE_VARIANTS = ("engine", "update-thread", "per-parameter-hooks", "one-bucket", "foreach", "deferred")
+ENGINE_VARIANTS = ("engine", "update-thread", "per-parameter-hooks", "one-bucket", "foreach", "deferred",
+                   "optimizer-step")
 
 
 def engine_loop(model: nn.Module, batch: tuple[Tensor, Tensor], args: argparse.Namespace, device: torch.device,
@@ -104,6 +106,9 @@ def engine_loop(model: nn.Module, batch: tuple[Tensor, Tensor], args: argparse.N
     )
     if variant == "deferred":
         engine._context.steps.deferred = True
+    if variant == "optimizer-step":  # a step hook: engine/fused_step.py declines, Optimizer.step() runs
+        for optimizer in engine.optimizers:
+            optimizer.register_step_pre_hook(lambda *args: None)
     if variant == "per-parameter-hooks":
         engine._readiness.relearned = RELEARN_LIMIT + 1
         engine._readiness._install()
