@@ -28,11 +28,11 @@ import pytest
 
 from decent_train.engine import reconfigure
 from decent_train.launcher.coordinator import POLL_S as COORDINATOR_LOOK_S
-from decent_train.training.live import HEARTBEAT_S, RECORD_FLOOR_S, RECORD_K
+from decent_train.training.live import HEARTBEAT_S, PAUSE_ENV
 
 from .jobs import COMMAND, records
 from .netns import Network, Node, nodes, nodes_available
-from .test_live_nodes import Cluster, _records_written
+from .test_live_nodes import STOPPED_S, Cluster, _member_pid, _records_written, _stopped
 
 REASON = nodes_available()
 DETECT_S = 2.0
@@ -44,6 +44,7 @@ FAULT_AT = 60  # the fault once rank 0 has written this step's record
 SPARE_AT = 10  # the spare node starts once training runs; it waits (the run is full) until a node has left
 TIMEOUT_S = 480
 ACCURACY = 0.95  # what the other live tests ask
+CHECKPOINT_EVERY = 25  # step 75: a record step whose collectives include a checkpoint's gather (no evaluation)
 
 pytestmark = [
     pytest.mark.slow,
@@ -67,8 +68,7 @@ class NodesJob(Cluster):
             self.coordinator = subprocess.Popen(
                 [*self.common, "fault_tolerance.role=coordinator", "launch.nnodes=3", "launch.nproc_per_node=2",
                  f"steps={steps}", f"logger.log_every={LOG_EVERY}", "logger.progress_bar=false",
-                 # no checkpoint at FAULT_AT: a cut inside a record step's collectives has another bound (docs)
-                 f"fault_tolerance.detect_s={DETECT_S:g}", "checkpoint.every=25",
+                 f"fault_tolerance.detect_s={DETECT_S:g}", f"checkpoint.every={CHECKPOINT_EVERY}",
                  "logger.wandb.mode=disabled",  # a new rank 0's wandb start would sit inside the change
                  f"hydra.run.dir={self.run_dir}"],
                 cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -117,26 +117,27 @@ def _gap_and_bound(run_dir: Path, steps: list[int], fault_wall: float, change_st
     after = next(s for s in steps if s > max(last, change_step))  # the survivors' first record after the change
     around = [s for s in steps if last <= s <= after]
     gap = max(written[b] - written[a] for a, b in zip(around, around[1:]))
+    # The same wherever in the step the fault lands: inside a record step's collectives (the lost node's workers had
+    # passed its barrier), the plan that drops them also ends the survivors' collectives (live.py's
+    # _end_a_doomed_record_step), so nobody waits out the record step's own bound.
     bound = (fault_wall - written[last]) + DETECT_S + 2 * HEARTBEAT_S + COORDINATOR_LOOK_S + 2 * interval
-    # A fault inside a record step's collectives (the lost node's workers had passed its barrier): the members that
-    # were not talking to the lost node wait out that step's derived bound for those that bailed out (docs).
     cut_collective = any(_lines_after(log, fault_wall, ("the rest of this step's records is skipped",))
                          for log in (run_dir / "logs").glob("member*.log"))
-    if cut_collective:
-        bound += max(RECORD_FLOOR_S, RECORD_K * interval / LOG_EVERY)
     print(f"longest gap between the survivors' records around the fault: {gap:.2f} s (bound {bound:.2f} s: "
           f"{fault_wall - written[last]:.2f} s to the fault, detect_s={DETECT_S:g}, record interval {interval:.2f} s"
           f"{', inside a record step' + chr(39) + 's collectives' if cut_collective else ''})")
     return gap, bound
 
 
-def _run(tmp_path: Path, fault: str, steps: int) -> dict[str, Any]:
+def _run(tmp_path: Path, fault: str, steps: int, inside: bool = False) -> dict[str, Any]:
     """One launch with ``fault`` ("cut" or "kill") on a node other than rank 0's once step FAULT_AT is recorded
-    (with "kill", a spare node started at SPARE_AT); what the checks need."""
+    (with "kill", a spare node started at SPARE_AT); ``inside``: on member 2's node once member 2 has stopped itself
+    inside a record step's collective (``PAUSE_ENV``, set by the caller) for STOPPED_S. What the checks need."""
     with nodes(3, rate_mbit=1000) as network:
         job = NodesJob(tmp_path, network, steps)
         try:
             start, fault_wall, victim, spare, seen = time.monotonic(), None, None, None, {}
+            stopped_since: float | None = None  # when member 2 was first seen stopped (``inside``)
             first_seen: dict[int, float] = {}  # record step -> when this test first saw it
             while job.coordinator.poll() is None:
                 assert time.monotonic() - start < TIMEOUT_S, f"no exit within {TIMEOUT_S} s{job.consoles()}"
@@ -146,13 +147,21 @@ def _run(tmp_path: Path, fault: str, steps: int) -> dict[str, Any]:
                     job.start_agent(spare)
                 if step >= 0 and step not in first_seen:
                     first_seen[step] = time.monotonic()
-                # half a record interval after rank 0's record of FAULT_AT: between record steps, not inside the
-                # record step's collectives (the consensus all-reduce, the checkpoint gather), whose bound is another
+                # half a record interval after rank 0's record of FAULT_AT: between record steps
                 past = sorted(s for s in first_seen if s >= FAULT_AT - LOG_EVERY)
-                if fault_wall is None and len(past) >= 2 and time.monotonic() >= first_seen[past[1]] + (
-                        first_seen[past[1]] - first_seen[past[0]]) / 2:
+                if inside:
+                    due = stopped_since is not None and time.monotonic() - stopped_since >= STOPPED_S
+                    paused = next((k for k in range(3) if 2 in job.members_of(k)), None)
+                    pid = None if paused is None else _member_pid(job.agents[paused].pid, 2)
+                    if stopped_since is None and pid is not None and _stopped(pid):
+                        stopped_since = time.monotonic()
+                else:
+                    due = len(past) >= 2 and time.monotonic() >= first_seen[past[1]] + (
+                        first_seen[past[1]] - first_seen[past[0]]) / 2
+                if fault_wall is None and due:
                     # not rank 0's node: rank 0 writes the records, and must be a survivor for them to say anything
-                    victim = next(k for k in range(3) if job.members_of(k) and 0 not in job.members_of(k))
+                    victim = next(k for k in range(3) if job.members_of(k) and 0 not in job.members_of(k)
+                                  and (not inside or 2 in job.members_of(k)))
                     seen["step"], seen["victims"] = step, job.members_of(victim)
                     fault_wall = time.time()
                     network.nodes[victim].cut() if fault == "cut" else network.nodes[victim].kill()
@@ -230,3 +239,22 @@ def test_a_node_killed_leaves_in_one_change_and_a_spare_node_joins(tmp_path: Pat
     assert join["members"] == 6 and join["lost"] == [], f"{join}{context}"
     established = set(range(6)) - set(victims)
     assert all(j["donor"] in established for j in join["joined"]), f"{join}{context}"
+
+
+def test_a_node_cut_off_inside_a_checkpoints_gather_costs_what_a_cut_between_records_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cut inside a record step's collectives: member 2 stops itself past step 75's barrier, just before the
+    checkpoint's gather (``PAUSE_ENV``; every other member is inside that gather, waiting), and its node is cut off
+    STOPPED_S later. The survivors' longest gap stays under the same bound as a cut between records (no allowance for
+    the record step's own bound, at least RECORD_FLOOR_S, 10 s: measured 10.2-10.5 s before the plan that drops the
+    node ended the survivors' collectives), 6 -> 4 in one change, and a survivor's gather did fail inside it."""
+    step = 3 * CHECKPOINT_EVERY
+    monkeypatch.setenv(PAUSE_ENV, f"2:{step}:gathering the ranks' files")
+    run = _run(tmp_path, "cut", STEPS, inside=True)
+    _common_checks(run)
+    context, run_dir = run["context"], run["run_dir"]
+    failed = [line for log in (run_dir / "logs").glob("member*.log")
+              for line in _lines_after(log, run["fault_wall"], ("the rest of this step's records is skipped",))]
+    assert any(f"saving checkpoint step_{step:08d} (gathering the ranks' files) failed" in line for line in failed), \
+        f"{failed}{context}"

@@ -201,7 +201,15 @@ class LiveMembership:
         self._beat_store.set(Keys.address(member_id), address_towards(*self._store_address))  # peers reach it there
         self._waiting: tuple[str, Plan] | None = None  # (verdict key, plan) of the barrier the main thread waits at
         self._plans: dict[int, Plan] = {}  # the heartbeat thread's cache of plans it read
+        self._hosts: dict[int, dict[int, str]] = {}  # and of the hosts of a plan's members (``_hosts_of``)
         self._severed_for = -1  # the newest epoch whose lost hosts were severed
+        # The epoch whose record step the main thread is inside (None: outside one, or reconfiguring): a plan that drops
+        # members of it makes the heartbeat thread end that step's collectives (``_end_a_doomed_record_step``). Both
+        # threads change it under the lock, which the heartbeat holds while it severs: a reconfiguration (it clears
+        # it first) never loses the connections it builds.
+        self._record_epoch: int | None = None
+        self._record_lock = threading.Lock()
+        self._recording = False  # the main thread is inside ``bounded`` (a record step's collectives)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat, name="decent_train-heartbeat", daemon=True)
         self._thread.start()
@@ -214,6 +222,7 @@ class LiveMembership:
                 newest = self._see_epoch(self._beat_store.add(Keys.EPOCH, 0) - 1)
                 self._end_a_hopeless_wait(newest)
                 self._sever_lost_hosts(newest)
+                self._end_a_doomed_record_step(newest)
             except (RuntimeError, dist.DistError):  # the store went away: the launcher ended
                 return
 
@@ -244,14 +253,43 @@ class LiveMembership:
         lost = set(plan.members) - set(self._plan_of(newest).members)
         if not lost:
             return
-        hosts = dict(zip(plan.members, (a.decode() for a in self._beat_store.multi_get(
-            [Keys.address(m) for m in plan.members]))))
+        hosts = self._hosts_of(plan)
         dead = {hosts[m] for m in lost} - {hosts[m] for m in plan.members if m not in lost}
         if dead:
-            store_host, store_port = self._store_address
-            severed = sever_connections_to(dead, frozenset({(store_host, store_port)}))
+            severed = sever_connections_to(dead, frozenset({self._store_address}))
             logger.info(f"member {self.id}: {', '.join(sorted(dead))} lost with all its members; "
                         f"{severed} connection(s) to it closed")
+
+    def _hosts_of(self, plan: Plan) -> dict[int, str]:
+        """Each member's host address (``address/<member>``), read once per plan by the heartbeat thread."""
+        if plan.epoch not in self._hosts:
+            self._hosts = {plan.epoch: dict(zip(plan.members, (a.decode() for a in self._beat_store.multi_get(
+                [Keys.address(m) for m in plan.members]))))}
+        return self._hosts[plan.epoch]
+
+    def _end_a_doomed_record_step(self, newest: int) -> None:
+        """The main thread is inside a record step's collectives and a newer plan drops members of its epoch: end
+        them now, by shutting down this worker's connections to every member's host (the store's excepted).
+
+        Why: the members change at the next record step whatever happens (its barrier's verdict is a change), so
+        the epoch's connections are of no more use. Without this, a member that was not talking to the lost ones
+        waits out the record bound (at least RECORD_FLOOR_S) in a later collective for the members whose collective
+        with them failed at once and who went on (a failed gloo collective is not passed on: nobody else learns of
+        it). Severed, its collective fails as a dead peer's does, it skips the rest of the step's records, and its
+        exchanges until the next record step fail at once and settle as missing; the change there builds fresh
+        connections for the members that stay (measured: a reconfigure after a sever all-reduces over them)."""
+        with self._record_lock:
+            epoch, plan = self._record_epoch, self.plan
+            if epoch is None or plan is None or plan.epoch != epoch or newest <= epoch:
+                return
+            if not set(plan.members) - set(self._plan_of(newest).members):
+                return  # only joiners: nobody waits for a member that will not come
+            self._record_epoch = None  # once
+            hosts = set(self._hosts_of(plan).values())
+            severed = sever_connections_to(hosts, frozenset({self._store_address}))
+        logger.info(f"member {self.id}: epoch {newest} drops members of epoch {epoch}, inside whose record step "
+                    f"this worker is: {severed} connection(s) to its members' hosts closed (the change is at the next "
+                    "record step)")
 
     def close(self, finished: bool) -> None:
         """Stop the heartbeat before the interpreter ends (a daemon thread inside a store call then would abort it);
@@ -297,15 +335,21 @@ class LiveMembership:
     def bounded(self, seconds: float | None = None) -> Iterator[None]:
         """Collectives started inside get ``seconds`` (the record bound by default) as gloo's limit; the previous
         limit again after. A collective a member died in then fails on every survivor within the bound (one with no
-        connection to the dead member would otherwise wait for ``comm_timeout_s``), as an ``ExchangeError``."""
+        connection to the dead member would otherwise wait for ``comm_timeout_s``), as an ``ExchangeError``; sooner
+        once the coordinator's plan drops that member (``_end_a_doomed_record_step``: detect_s, not the bound)."""
         previous, bound = self._limit, self.record_bound() if seconds is None else seconds
         self._set_limit(timedelta(seconds=bound))
+        with self._record_lock:
+            self._record_epoch, self._recording = self.plan.epoch, True
         try:
             yield
         except ExchangeError as error:
             raise ExchangeError(f"{error} [record step's bound {bound:.1f} s: {RECORD_K} x the median step, within "
-                                f"{RECORD_FLOOR_S:g} s and comm_timeout_s]") from error
+                                f"{RECORD_FLOOR_S:g} s and comm_timeout_s; ended at once when a plan drops a member]"
+                                ) from error
         finally:
+            with self._record_lock:
+                self._record_epoch, self._recording = None, False
             self._set_limit(previous)
 
     def _set_limit(self, limit: timedelta) -> None:
@@ -360,6 +404,8 @@ class LiveMembership:
     def _reconfigure(self, plan: Plan) -> bool:
         """Reconfigure into ``plan``; False if a newer plan came first, or if it failed (a member in it died after
         publishing its handle: gloo gives up after ``timeout``) and a newer plan is out."""
+        with self._record_lock:  # from here on the heartbeat thread severs none of the connections built
+            self._record_epoch = None
         try:
             done = reconfigure.reconfigure(self.store, plan.epoch, plan.uuid, plan.members, self.id, self.timeout,
                                            abandon=lambda: self._newest_epoch() > plan.epoch)
@@ -483,6 +529,9 @@ class LiveMembership:
         if not self._reconfigure(plan):
             raise PlanSuperseded
         self.plan, self._fences = plan, 0
+        with self._record_lock:  # a change inside a record step (at a fence): its collectives over the new members
+            if self._recording:
+                self._record_epoch = plan.epoch
         return plan
 
     def wait_for_newer_plan(self, peer: int | None = None, after: int | None = None) -> None:
