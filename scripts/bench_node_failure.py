@@ -272,8 +272,11 @@ def table(summary: dict[str, Any]) -> str:
             repeated += f" ({', '.join(map(str, r['resumed_from_step']))})"
         live = (f"{', '.join(map(str, r['members_after']))}; {_s(r['recovery_s'], '{:.2f}')}"
                 if r["members_after"] else "-")
-        failures = r["failed"] + r["launcher_failed"]
-        runs = f"{r['runs']} ok" + (f", {len(failures)} failed: {failures[0][:80]}" if failures else "")
+        runs = f"{r['runs']} measured"
+        if r["launcher_failed"]:  # rank 0 wrote result.json, then a node's launcher exited non-zero
+            runs += f" ({len(r['launcher_failed'])} with a launcher failing after: {r['launcher_failed'][0][:70]})"
+        if r["failed"]:
+            runs += f"; {len(r['failed'])} failed: {r['failed'][0][:70]}"
         lines.append(f"| {name} | {_s(r['to_result_s'])} | {lost} | {_s(r['stall_s'], '{:.2f}')} | "
                      f"{_s(r['accuracy'], '{:.4f}')} | {killed} | {repeated} | {live} | {runs} |")
     return "\n".join(lines)

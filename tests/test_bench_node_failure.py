@@ -32,15 +32,21 @@ def made_up(variant: str, round_: int, to_result_s: float, **more: Any) -> dict[
             **more}
 
 
+def rows_of(table: str) -> dict[str, str]:
+    """The table's rows by variant."""
+    return {line.split(" | ")[0].strip("| "): line for line in table.splitlines()[2:]}
+
+
 def test_time_lost_is_each_run_minus_its_baseline_of_the_same_round(bench: Any) -> None:
     # round 1 is a slow round for everyone: paired by round, its noise cancels; the failed baseline of round 2 pairs
-    # with nothing, and the failed live-kill is counted, not measured
+    # with nothing, and the failed live-kill is counted, not measured; round 3's baseline pairs with no variant
     base = {0: 60.0, 1: 75.0}
     restart = {0: 83.0, 1: 101.0, 2: 90.0}
     live_base = {0: 40.0, 1: 52.0, 2: 41.0}
     live_kill = {0: 42.5, 1: 55.0}
     runs = [*(made_up("restart-base", k, s) for k, s in base.items()),
             made_up("restart-base", 2, 0.0) | {"failed": "stopped after 420 s"},
+            made_up("restart-base", 3, 70.0) | {"launcher_failed": "node2.txt: decent-train: error: ..."},
             *(made_up("restart", k, s, stall_s=[20.0 + k], steps_repeated=25, resumed_from_step=150)
               for k, s in restart.items()),
             *(made_up("live-base", k, s) for k, s in live_base.items()),
@@ -57,14 +63,18 @@ def test_time_lost_is_each_run_minus_its_baseline_of_the_same_round(bench: Any) 
     assert summary["restart"]["lost_s"] == paired(restart, base)  # 23, 26: round 2 has no baseline
     assert summary["live-kill"]["lost_s"] == paired(live_kill, live_base)
     assert summary["live-base"]["lost_s"] == paired(live_base, base)  # the live path's overhead, uninterrupted
-    assert summary["restart-base"]["lost_s"] is None and summary["restart-base"]["runs"] == 2
+    assert summary["restart-base"]["lost_s"] is None and summary["restart-base"]["runs"] == 3
+    # a launcher that failed after rank 0's result.json: measured, and said
+    assert rows_of(bench.table(summary))["restart-base"].endswith(
+        "| 3 measured (1 with a launcher failing after: node2.txt: decent-train: error: ...); 1 failed: stopped "
+        "after 420 s |")
     assert summary["restart-base"]["failed"] == ["stopped after 420 s"]
     assert summary["live-kill"]["runs"] == 2 and summary["live-kill"]["members_after"] == [4]
     assert summary["restart"]["stall_s"] == {"median": 21.0, "min": 20.0, "max": 22.0}
 
-    rows = {line.split(" | ")[0].strip("| "): line for line in bench.table(summary).splitlines()[2:]}
+    rows = rows_of(bench.table(summary))
     assert "+24.5 (+23.0 to +26.0) (vs restart-base)" in rows["restart"]
-    assert "2 ok, 1 failed: no node was killed" in rows["live-kill"]
+    assert rows["live-kill"].endswith("| 2 measured; 1 failed: no node was killed |")
     assert "25, 25, 25 (150, 150, 150)" in rows["restart"]
 
 
