@@ -7,6 +7,8 @@ namespace, one node agent per node namespace (tests/netns.py), the faults caused
   and its workers write no record and no checkpoint after the cut.
 - A node killed (its agent's whole process group SIGKILLed), and a spare node added to the network mid-run: 6 -> 4 in
   one change, then 4 -> 6, the spare's workers healed from established members.
+- A node cut off inside a record step's collectives (a checkpoint's gather): the same gap bound, no allowance for the
+  record step's own bound.
 
 Each test is one launch (3 nodes x 2 workers); slow, and skipped where namespaces cannot be made (nodes_available).
 """

@@ -7,8 +7,13 @@ and it has no way to end a pending receive early (``ProcessGroup.abort()`` leave
 down the sockets whose peer is that host ends each wait with a closed connection, which the engine settles as a
 missed message (``fault_tolerant=True``) like a dead peer's.
 
-Only addresses of *other* hosts are ever given (the live protocol passes a lost member's address only when it is not
-this worker's own): members on this host die with a reset, and a hung one is killed by its node agent.
+The live protocol (training/live.py) severs in two cases, both once the coordinator's plan has dropped members:
+- a host all of whose members are lost (never this worker's own: members on this host die with a reset, and a hung
+  one is killed by its node agent), whatever the worker is doing;
+- every member's host, this worker's own included, when the worker is inside a record step's collectives of the
+  epoch the plan ends: the members change at the next record step anyway, and a collective waiting on a member that
+  already gave up on the step (its own collective with the lost one failed) would otherwise wait out its bound.
+Only TCP connections are touched (AF_INET/AF_INET6 streams): a Unix socket (wandb's service) never is.
 """
 
 from __future__ import annotations

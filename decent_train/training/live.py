@@ -278,14 +278,16 @@ class LiveMembership:
         it). Severed, its collective fails as a dead peer's does, it skips the rest of the step's records, and its
         exchanges until the next record step fail at once and settle as missing; the change there builds fresh
         connections for the members that stay (measured: a reconfigure after a sever all-reduces over them)."""
-        with self._record_lock:
-            epoch, plan = self._record_epoch, self.plan
-            if epoch is None or plan is None or plan.epoch != epoch or newest <= epoch:
-                return
-            if not set(plan.members) - set(self._plan_of(newest).members):
-                return  # only joiners: nobody waits for a member that will not come
+        epoch, plan = self._record_epoch, self.plan
+        if epoch is None or plan is None or plan.epoch != epoch or newest <= epoch:
+            return
+        if not set(plan.members) - set(self._plan_of(newest).members):
+            return  # only joiners: nobody waits for a member that will not come
+        hosts = set(self._hosts_of(plan).values())  # the store's answers before the lock: the main thread never
+        with self._record_lock:  # waits on the store for it
+            if self._record_epoch != epoch:
+                return  # it left the step, or reconfigures, meanwhile
             self._record_epoch = None  # once
-            hosts = set(self._hosts_of(plan).values())
             severed = sever_connections_to(hosts, frozenset({self._store_address}))
         logger.info(f"member {self.id}: epoch {newest} drops members of epoch {epoch}, inside whose record step "
                     f"this worker is: {severed} connection(s) to its members' hosts closed (the change is at the next "
