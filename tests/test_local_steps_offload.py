@@ -328,9 +328,9 @@ def _gpu_run(offload: bool | None, plain: bool = False) -> dict[str, Any]:
             "peak": torch.cuda.max_memory_allocated() - baseline if cuda else 0, "live": live}
 
 
-def _live_allocations(top: int = 16) -> list[dict[str, Any]]:
-    """The largest blocks allocated since the memory history started and not freed, with their Python frames: what
-    to read when the allocator holds bytes the front does not count."""
+def _live_allocations() -> list[dict[str, Any]]:
+    """The blocks allocated since the memory history started and not freed, summed by where (the first frames)
+    they were allocated, largest first: what to read when the allocator holds bytes the front does not count."""
     alive: dict[int, dict[str, Any]] = {}
     for trace in torch.cuda.memory._snapshot()["device_traces"]:
         for event in trace:
@@ -338,9 +338,13 @@ def _live_allocations(top: int = 16) -> list[dict[str, Any]]:
                 alive[event["addr"]] = event
             elif event["action"] in ("free_requested", "free_completed"):
                 alive.pop(event["addr"], None)
-    return [{"size": e["size"], "frames": [f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']}:{f['name']}"
-                                           for f in e.get("frames", [])[:10]]}
-            for e in sorted(alive.values(), key=lambda e: -e["size"])[:top]]
+    where: dict[str, list[int]] = {}
+    for event in alive.values():
+        frames = " <- ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']}:{f['name']}"
+                             for f in event.get("frames", [])[:4])
+        where.setdefault(frames, []).append(event["size"])
+    return [{"bytes": sum(sizes), "blocks": len(sizes), "sizes": sorted(set(sizes)), "where": frames}
+            for frames, sizes in sorted(where.items(), key=lambda kv: -sum(kv[1]))]
 
 
 @gpu_test
