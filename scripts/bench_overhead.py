@@ -6,9 +6,10 @@ per-bucket optimizers stepping inside backward and the parameters living in flat
     python scripts/bench_overhead.py --device cuda --models resnet50,gpt2 --precision bf16 --json overhead.json
 
 (ResNet-50 on 224x224 images, batch 64, channels_last; GPT-2 small, context 1024, batch 8; AdamW, torch's fused kernel
-on CUDA in both loops; ``--precision fp16`` adds a GradScaler to both loops). The loops alternate, ``repeats`` times
-``warmup`` + ``steps`` steps each, and the table shows the median step time and ``plain / engine`` (above 1: the
-engine is faster). ``--variants`` adds engines built otherwise, to tell where time goes: ``update-thread`` (buckets
+on CUDA in both loops; ``--precision fp16`` adds a GradScaler to both loops). Each of ``repeats`` rounds warms
+every loop up (``warmup`` steps), then the loops take turns of ``block`` steps until each has run ``steps``; the
+table shows each loop's median step time and the median of the rounds' ``loop / plain`` (above 1: slower than the
+plain loop). ``--variants`` adds engines built otherwise, to tell where time goes: ``update-thread`` (buckets
 update on a thread and CUDA stream of their own, not on autograd's thread), ``per-parameter-hooks`` (a hook per
 parameter), ``one-bucket``, ``foreach`` (torch's foreach AdamW instead of fused), ``deferred`` (every bucket steps
 at the end of backward), ``optimizer-step`` (each bucket's AdamW through torch's ``Optimizer.step()``, not
@@ -132,9 +133,8 @@ def host_calls(step: Step) -> dict[str, float]:
     return {"hooks": engine._readiness.hooks_fired - hooks, "optimizer_steps": steps[0], "buckets": len(handles)}
 
 
-def seconds_per_step(step: Step, warmup: int, steps: int, device: torch.device) -> float:
-    for _ in range(warmup):
-        step()
+def seconds_of(step: Step, steps: int, device: torch.device) -> float:
+    """Seconds ``steps`` steps take, the device drained before and after."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
@@ -142,7 +142,7 @@ def seconds_per_step(step: Step, warmup: int, steps: int, device: torch.device) 
         step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) / steps
+    return time.perf_counter() - start
 
 
 def profile(loops: dict[str, Step], steps: int, folder: Path, name: str, device: torch.device) -> None:
@@ -166,14 +166,24 @@ def profile(loops: dict[str, Step], steps: int, folder: Path, name: str, device:
 
 def alternating_rounds(loops: dict[str, Step], args: argparse.Namespace, device: torch.device
                        ) -> dict[str, list[float]]:
-    """Seconds per step of each loop in ``args.repeats`` rounds, the loops' order rotated each round: a loop's time
-    is compared with the plain loop's of the same round, so that drift between rounds (clocks, a busy host) cancels in
-    the ratio, and no loop always runs first."""
+    """Seconds per step of each loop in ``args.repeats`` rounds. Inside a round the loops take turns of
+    ``args.block`` steps until each has run ``args.steps``, so that a host that changes speed (measured on an H200:
+    the same loop 16 and 25 ms/step within one process) slows both alike and cancels in the round's ratio; the
+    turns' order rotates each round, so no loop always runs first."""
     times: dict[str, list[float]] = {k: [] for k in loops}
     kinds = list(loops)
     for r in range(args.repeats):
-        for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
-            times[kind].append(seconds_per_step(loops[kind], args.warmup, args.steps, device))
+        order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]
+        for kind in order:
+            seconds_of(loops[kind], args.warmup, device)
+        spent, done = dict.fromkeys(kinds, 0.0), 0
+        while done < args.steps:
+            turn = min(args.block, args.steps - done)
+            for kind in order:
+                spent[kind] += seconds_of(loops[kind], turn, device)
+            done += turn
+        for kind in kinds:
+            times[kind].append(spent[kind] / args.steps)
     return times
 
 
@@ -183,6 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", default="resnet50,gpt2")
     p.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--block", type=int, default=5, help="steps per turn: inside a round the loops take turns")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--image-size", type=int, default=224)
@@ -228,7 +239,8 @@ def main(argv: list[str] | None = None) -> None:
         del loops
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"{where}, torch {torch.__version__}, {args.precision}, {args.repeats} x ({args.warmup} + {args.steps}) steps")
+    print(f"{where}, torch {torch.__version__}, {args.precision}, {args.repeats} rounds x ({args.warmup} + {args.steps}) steps, "
+          f"turns of {args.block}")
     print("| model | loop | ms/step (median) | loop / plain (median of rounds) | rounds' range |")
     print("|---|---|---|---|---|")
     for name, r in results.items():
