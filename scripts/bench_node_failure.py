@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from bench_fault_tolerance import COMMAND, _s, rank0_records, spread, stalls, steps_logged  # noqa: E402
 from bench_fault_tolerance import measure as measure_files  # noqa: E402
 
-from tests.netns import Network, Node, nodes, nodes_available  # noqa: E402
+from tests.netns import LEFTOVER, PREFIX, Network, Node, nodes, nodes_available  # noqa: E402
 
 NODES, PER_NODE = 3, 2
 # name: (path, whether a node is killed, the baseline it is compared with)
@@ -85,6 +85,9 @@ def hostnames(network: Network) -> Any:
     """Every node's hosts file (``ip netns exec`` mounts /etc/netns/NODE/hosts over /etc/hosts) naming every node by
     its namespace's name, the hostname ``on_node`` gives it; removed on the way out."""
     hosts = "127.0.0.1 localhost\n" + "".join(f"{node.address} {node.namespace}\n" for node in network.nodes)
+    for folder in Path("/etc/netns").glob(f"{PREFIX}*"):  # a run killed outright left them: its pid is gone
+        if (made_by := LEFTOVER.match(folder.name)) and not Path(f"/proc/{made_by[1]}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
     try:
         for node in network.nodes:
             folder = Path("/etc/netns") / node.namespace
