@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -201,13 +202,7 @@ def _train(cfg: TrainConfig, run_dir: Path, config_path: Path) -> float:
     if stop is not None:  # what this launcher received, else what a worker did (a user's kill, another node's)
         _exit_stopped(cfg, run_dir, received or signal.Signals[stop.signal])
     wall = time.perf_counter() - start
-    result_path = run_dir / RESULT_FILE
-    result = json.loads(result_path.read_text())  # rank 0 wrote it before every worker left (a barrier)
-    if changes is not None:
-        result["membership_changes"] = changes
-    if os.environ.get("SLURM_NODEID", "0") == "0":  # on several nodes, one of them completes it
-        result["wall_time_s"] = wall
-        result_path.write_text(json.dumps(result, indent=2) + "\n")
+    result = complete_result(run_dir / RESULT_FILE, wall, changes)
     if result["resumed_from_step"] < result["steps"]:
         speed = f"{result['throughput/samples_per_s']:.0f} samples/s over"
     else:  # resumed from the final checkpoint: only the evaluation was left
@@ -221,6 +216,22 @@ def _train(cfg: TrainConfig, run_dir: Path, config_path: Path) -> float:
         flush=True,
     )
     return float(result["eval/accuracy"])
+
+
+def complete_result(path: Path, wall: float, changes: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """Rank 0's ``result.json`` with this launch's wall time and membership changes. Outside SLURM every node's
+    launcher completes it (none knows it is the first node): each writes a file of its own and renames it over the
+    result, so a node reading it never sees another's half-written (measured: 4 of 7 three-node torchrun runs failed
+    on a plain rewrite). The last node to finish gives the wall time."""
+    result = json.loads(path.read_text())  # rank 0 wrote it before every worker left (a barrier)
+    if changes is not None:
+        result["membership_changes"] = changes
+    if os.environ.get("SLURM_NODEID", "0") == "0":  # on SLURM, the first node completes it
+        result["wall_time_s"] = wall
+        partial = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(result, indent=2) + "\n")
+        os.replace(partial, path)
+    return result
 
 
 def _exit_stopped(cfg: TrainConfig, run_dir: Path, sig: signal.Signals) -> None:
