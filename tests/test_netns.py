@@ -1,6 +1,7 @@
 """The node harness (tests/netns.py) against what the kernel reports: sockets between namespaces, the time a round
-trip or a transfer takes against netem's and tbf's settings, processes' namespaces and liveness from /proc, and
-`ip` listings after the block. No training launches: the node tests of issue 39 stand on these."""
+trip or a transfer takes against the delay's (netem's or the delay line's) and tbf's settings, processes'
+namespaces and liveness from /proc, and `ip` listings after the block. No training launches: the node tests of
+issue 39 stand on these."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from datetime import timedelta
 
 import pytest
 
-from .netns import PREFIX, Network, Node, nodes, nodes_available
+from .netns import (PREFIX, Network, Node, delay_line_available, netem_available, nodes,
+                    nodes_available)
 
 REASON = nodes_available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -100,10 +102,17 @@ def test_a_process_started_on_a_node_runs_in_its_namespace_and_reaches_the_coord
         assert proc.wait(10) == 0
 
 
-@pytest.mark.skipif(nodes_available(delay=True) is not None, reason=nodes_available(delay=True) or "")
-def test_a_round_trip_takes_twice_the_configured_delay() -> None:
-    delay_s = 0.05
-    with nodes(2, delay_ms=delay_s * 1000) as network:
+# what delays the links: netem where the kernel has it, the delay line (TAPs) otherwise; each tested where it runs
+DELAYS = [pytest.param("netem", marks=pytest.mark.skipif(netem_available() is not None,
+                                                          reason=netem_available() or "")),
+          pytest.param("userspace", marks=pytest.mark.skipif(delay_line_available() is not None,
+                                                              reason=delay_line_available() or ""))]
+
+
+def round_trips(delay_ms: float, delay_by: str | None) -> tuple[float, float]:
+    """The shortest of 3 round trips between two nodes, and from a node to the root namespace, in seconds."""
+    with nodes(2, delay_ms=delay_ms, delay_by=delay_by) as network:
+        assert network.delay_by == (delay_by if delay_ms else None)
         a, b = network.nodes
         server = listener(network, a)
         client = b.socket()
@@ -113,14 +122,24 @@ def test_a_round_trip_takes_twice_the_configured_delay() -> None:
         client = a.socket()
         conn = connect(client, coordinator)
         to_coordinator = min(round_trip(client, conn) for _ in range(3))
-    for measured in (between_nodes, to_coordinator):  # each way crosses the sender's netem once
-        assert 2 * delay_s <= measured < 2 * delay_s + 0.2, (between_nodes, to_coordinator)
+    return between_nodes, to_coordinator
 
 
-def test_a_transfer_takes_as_long_as_the_configured_rate() -> None:
+@pytest.mark.parametrize("delay_by", DELAYS)
+def test_a_round_trip_takes_twice_the_configured_delay(delay_by: str) -> None:
+    delay_s = 0.02
+    undelayed = round_trips(0, None)
+    delayed = round_trips(delay_s * 1000, delay_by)
+    assert max(undelayed) < 0.005, undelayed  # the delay is the harness's, not the machine's
+    for measured in delayed:  # each way crosses one delay (the sender's)
+        assert 2 * delay_s <= measured < 3 * delay_s, delayed
+
+
+@pytest.mark.parametrize("delay_by", [None, *DELAYS])
+def test_a_transfer_takes_as_long_as_the_configured_rate(delay_by: str | None) -> None:
     rate_mbit, size = 16, 1_000_000
     burst = max(32 * 1024, rate_mbit * 1e6 / 8 / 100)  # what tbf may send at once (tests/netns.py's _tbf)
-    with nodes(2, rate_mbit=rate_mbit) as network:
+    with nodes(2, rate_mbit=rate_mbit, delay_ms=5 if delay_by else 0, delay_by=delay_by) as network:
         a, b = network.nodes
         server = listener(network, b)
         client = a.socket()
@@ -129,11 +148,12 @@ def test_a_transfer_takes_as_long_as_the_configured_rate() -> None:
         start = time.monotonic()
         sender = threading.Thread(target=client.sendall, args=(b"x" * size,))
         sender.start()
-        received = 0
-        while received < size:
-            received += len(conn.recv(1 << 16))
+        received = b""
+        while len(received) < size:
+            received += conn.recv(1 << 16)
         elapsed = time.monotonic() - start
         sender.join()
+    assert received == b"x" * size  # every byte, none twice (TSO frames cross the delay line whole)
     floor = (size - burst) * 8 / (rate_mbit * 1e6)  # tbf's rate; TCP's headers only add to it
     assert floor <= elapsed < 2 * floor + 0.5, elapsed
 
@@ -238,6 +258,48 @@ def test_an_interrupted_run_cleans_up_and_a_killed_runs_leftovers_go_with_the_ne
         for run in runs:
             run.kill()
             run.wait()
+
+
+A_DELAYED_RUN = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, sys.argv[1])
+    from tests.netns import nodes
+    with nodes(2, delay_ms=1, delay_by="userspace") as network:
+        print(*(line.pid for line in network.delay_lines), flush=True)
+        time.sleep(60)
+""")
+
+
+@pytest.mark.skipif(delay_line_available() is not None, reason=delay_line_available() or "")
+def test_the_delay_lines_end_with_the_block_and_with_a_run_killed_outright() -> None:
+    with nodes(2, delay_ms=1, delay_by="userspace") as network:
+        lines = [line.pid for line in network.delay_lines]
+        assert len(lines) == 3  # the root's link and each node's
+        spare = network.add_node()  # a link of its own
+        assert len(network.delay_lines) == 4
+        client = spare.socket()
+        server = listener(network, network.nodes[0])
+        round_trip(client, connect(client, server))
+        assert all(alive(pid) for pid in lines)
+        lines.append(network.delay_lines[-1].pid)
+    assert not any(alive(pid) for pid in lines)
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.Popen([sys.executable, "-c", A_DELAYED_RUN, repo], stdout=subprocess.PIPE, text=True)
+    try:
+        lines = [int(pid) for pid in run.stdout.readline().split()]
+        assert len(lines) == 3 and all(alive(pid) for pid in lines)
+        run.kill()  # no cleanup of its own: PR_SET_PDEATHSIG ends the lines
+        run.wait()
+        deadline = time.monotonic() + 5
+        while any(alive(pid) for pid in lines) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not any(alive(pid) for pid in lines), "a delay line outlived the run that made it"
+    finally:
+        run.kill()
+        run.wait()
+    with nodes(1):
+        assert names_of(run.pid) == []  # its namespaces and root link went with the next run
 
 
 def test_a_spare_node_added_mid_run_talks_to_the_others() -> None:
