@@ -1,6 +1,7 @@
 """Time lost per node failure: live membership (``fault_tolerance=live``: a coordinator outside the nodes, an agent per
 node) against torchrun's checkpoint-restart (``fault_tolerance=none``), on 3 nodes x 2 workers made of network
-namespaces (tests/netns.py: a switch, tbf rate, netem delay where the kernel has sch_netem). Issue 39, acceptance 5.
+namespaces (tests/netns.py: a switch, tbf rate, a delay: netem where the kernel has sch_netem, else the harness's
+userspace delay line). Issue 39, acceptance 5.
 
     python scripts/bench_node_failure.py --repeats 2 --steps 300 --at 175 --out bench/node_failure.json
     python scripts/bench_node_failure.py --from bench/node_failure.json   # the table again, from the runs
@@ -56,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from bench_fault_tolerance import COMMAND, _s, rank0_records, spread, stalls, steps_logged  # noqa: E402
 from bench_fault_tolerance import measure as measure_files  # noqa: E402
 
-from tests.netns import LEFTOVER, PREFIX, Network, Node, nodes, nodes_available  # noqa: E402
+from tests.netns import LEFTOVER, PREFIX, Network, Node, netem_available, nodes, nodes_available  # noqa: E402
 
 NODES, PER_NODE = 3, 2
 # name: (path, whether a node is killed, the baseline it is compared with)
@@ -204,6 +205,8 @@ def run_one(name: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
                         run |= {"signal": "SIGKILL (node)", "signal_at_step": steps[-1], "killed_node": killed,
                                 "signal_at_s": time.monotonic() - start}
                 time.sleep(0.05)
+            if network.delay_lines:  # the CPU the userspace delay cost over the run (all links together)
+                run["delay_line_cpu_s"] = network.delay_line_cpu_s()
             if any(p.poll() is None for p in waited):
                 run["failed"] = f"stopped after {args.timeout:g} s"
             elif kill and killed is None:
@@ -259,6 +262,8 @@ def summarize(runs: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
             "resumed_from_step": sorted(r["resumed_from_step"] for r in mine if r["resumed_from_step"]),
             "members_after": sorted({c["members"] for c in changes if c["lost"] and "members" in c}),
             "recovery_s": spread([c["recovery_s"] for c in changes if "recovery_s" in c and c["lost"]]),
+            "delay_line_cpu_pct": spread([100 * r["delay_line_cpu_s"] / r["process_wall_s"] for r in mine
+                                          if "delay_line_cpu_s" in r]),
         }
     return summary
 
@@ -285,6 +290,13 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def delay_line_cost(summary: dict[str, Any]) -> str:
+    """The userspace delay line's CPU per variant, as % of one core over the run's wall time; "" without it."""
+    costs = [f"{name} {_s(r['delay_line_cpu_pct'], '{:.1f}')}" for name, r in summary.items()
+             if r.get("delay_line_cpu_pct")]
+    return f"delay lines' CPU, % of one core over the run (all 4 links): {'; '.join(costs)}" if costs else ""
+
+
 def describe(run: dict[str, Any]) -> str:
     if "failed" in run:
         return f"FAILED: {run['failed']}"
@@ -299,8 +311,7 @@ def latency(delay_ms: float) -> str | None:
     if (why := nodes_available()) is not None:
         return f"bench_node_failure.py: cannot make the nodes here: {why}"
     if delay_ms > 0 and (why := nodes_available(delay=True)) is not None:
-        return (f"bench_node_failure.py: --delay-ms {delay_ms:g} needs tc's netem qdisc (kernel module sch_netem), "
-                f"which this kernel lacks ({why.rsplit(': ', 1)[-1].rstrip('.')}); valid here: --delay-ms 0")
+        return f"bench_node_failure.py: --delay-ms {delay_ms:g} cannot be made here ({why}); valid here: --delay-ms 0"
     return None
 
 
@@ -311,8 +322,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300, help="the job's steps")
     p.add_argument("--at", type=int, default=175, help="the node is killed once metrics.jsonl reaches this step")
     p.add_argument("--checkpoint-every", type=int, default=50, help="checkpoint.every (where a restart resumes)")
-    p.add_argument("--delay-ms", type=float, default=0.0, help="netem delay on every sender's link (a round trip "
-                   "takes twice it); needs the kernel's sch_netem")
+    p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay of every packet between the nodes and "
+                   "to the coordinator (a round trip takes twice it): tc's netem where the kernel has sch_netem, else "
+                   "tests/netns.py's userspace delay line")
     p.add_argument("--rate-mbit", type=float, default=1000.0, help="tbf rate of each node's link, both ways")
     p.add_argument("--detect-s", type=float, default=2.0, help="the live runs' fault_tolerance.detect_s")
     p.add_argument("--rdzv-keep-alive-s", type=int, default=1, help="the restart runs' launch.rdzv_keep_alive_s")
@@ -329,6 +341,7 @@ def main() -> None:
         runs = [measure(run) | {"round": run["round"]} for run in saved["runs"]]
         saved["summary"] = summarize(runs, list(saved["summary"]))
         print(table(saved["summary"]))
+        print(delay_line_cost(saved["summary"]))
         args.from_json.write_text(json.dumps(saved | {"runs": runs}, indent=2) + "\n")
         return
     names = [n for n in args.variants.split(",") if n]
@@ -341,10 +354,13 @@ def main() -> None:
                  f"{args.rate_mbit:g} > 0")
     if (refused := latency(args.delay_ms)) is not None:
         sys.exit(refused)
-    netem = nodes_available(delay=True)
-    if netem is not None:
-        print(f"no latency between the nodes: this kernel has no netem (tc: {netem.rsplit(': ', 1)[-1].rstrip('.')})",
-              flush=True)
+    netem = netem_available()
+    delay_by = None if args.delay_ms == 0 else "netem" if netem is None else "userspace"
+    if delay_by == "userspace":
+        print(f"delay {args.delay_ms:g} ms one way by the userspace delay line (tests/netns.py): this kernel has no "
+              f"netem (tc: {netem.rsplit(': ', 1)[-1].rstrip('.')})", flush=True)
+    elif delay_by is None:
+        print("no latency between the nodes: --delay-ms 0", flush=True)
     runs_dir = args.out.with_suffix("").resolve()
     runs_dir.mkdir(parents=True, exist_ok=True)
     uptime = [subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()]
@@ -360,12 +376,13 @@ def main() -> None:
     print(f"uptime: {uptime[1]}", flush=True)
     summary = summarize(runs, names)
     print(table(summary))
+    print(delay_line_cost(summary))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     settings = {key: getattr(args, key) for key in ("steps", "at", "checkpoint_every", "delay_ms", "rate_mbit",
                                                     "detect_s", "rdzv_keep_alive_s", "rdzv_last_call_s")}
     args.out.write_text(json.dumps({
         "argv": sys.argv, "nodes": NODES, "workers_per_node": PER_NODE, **settings,
-        "netem": "available" if netem is None else f"missing, no latency added: {netem}",
+        "delay_by": delay_by, "netem": "available" if netem is None else f"missing: {netem}",
         "uptime": uptime, "cpus": os.cpu_count(), "kernel": os.uname().release, "summary": summary, "runs": runs,
     }, indent=2) + "\n")
     print(f"written: {args.out}")

@@ -106,16 +106,26 @@ def test_a_restart_that_repeats_no_record_stalls_for_its_gap_beyond_a_normal_int
     assert run["stall_s"] == [pytest.approx(23.0 - 0.2)]  # the gap, less the 0.2 s 10 steps take
 
 
-def test_a_delay_without_netem_is_one_line_naming_the_flag(bench: Any) -> None:
-    why = nodes_available(delay=True)
+def test_a_delay_is_made_where_netem_or_the_delay_line_runs_else_one_line_naming_the_flag(bench: Any) -> None:
     refused = bench.latency(5.0)
     if nodes_available() is not None:
         assert refused.startswith("bench_node_failure.py: cannot make the nodes here")
-    elif why is None:  # this kernel has netem: a delay is made, not refused
+    elif nodes_available(delay=True) is None:  # netem, or tests/netns.py's userspace delay line without it
         assert refused is None
     else:
         assert "--delay-ms 5" in refused and "valid here: --delay-ms 0" in refused and "\n" not in refused
     assert bench.latency(0.0) == (None if nodes_available() is None else refused)
+
+
+def test_the_delay_lines_cpu_is_a_share_of_each_runs_wall_time(bench: Any) -> None:
+    runs = [made_up("live-base", 0, 40.0, delay_line_cpu_s=2.0, process_wall_s=50.0),
+            made_up("live-base", 1, 40.0, delay_line_cpu_s=3.0, process_wall_s=30.0),
+            made_up("restart-base", 0, 60.0)]  # no delay line: no share
+    summary = bench.summarize(runs, ["restart-base", "live-base"])
+    assert summary["live-base"]["delay_line_cpu_pct"] == {"median": 7.0, "min": 4.0, "max": 10.0}
+    assert summary["restart-base"]["delay_line_cpu_pct"] is None
+    assert bench.delay_line_cost(summary).endswith(": live-base 7.0 (4.0 to 10.0)")
+    assert bench.delay_line_cost(bench.summarize(runs[2:], ["restart-base"])) == ""
 
 
 @pytest.mark.parametrize(("flags", "named"), [(["--at", "300"], "--at 300"), (["--variants", "restart,bogus"],
