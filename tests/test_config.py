@@ -177,8 +177,9 @@ def test_every_option_composes_and_checks(group: str, option: str, data_dirs: di
          "bucket_size_mb=100.0 with parallel.shard=2"),
         ({"algorithm": "allreduce", "global_avg_every": 5}, "global_avg_every=5 averages the engine's gossiping "
          "workers; algorithm=allreduce does not gossip"),
-        ({"fault_tolerance": {"name": "live"}, "topology": {"name": "hierarchical", "local_world_size": 2}},
-         "its rounds have two stages"),
+        # live takes hierarchical (tests/test_live_hierarchical.py), over nodes it can serve at launch
+        ({"fault_tolerance": {"name": "live"}, "launch": {"nproc_per_node": 6},
+          "topology": {"name": "hierarchical", "local_world_size": 2}}, "power-of-two number of nodes"),
         # parallel.shard: what sharded gossip runs with
         ({"parallel": {"shard": 0}}, "parallel.shard=0 must be >= 1"),
         ({"parallel": {"shard": 3}}, "parallel.shard must divide the workers per node; valid: 1, 2, 4"),

@@ -134,7 +134,9 @@ class DecentralizedDataParallel(nn.Module):
         fault_tolerant: a peer's message that fails (it died) is replaced by this worker's own value instead of
             raising (its weight stays here; ``missed_messages`` lists them), and every group exchanges by messages,
             one per peer (exchange.py). For live membership: ``prepare_membership_change`` and
-            ``membership_changed`` around a reconfiguration of the default group. One-stage topologies only.
+            ``membership_changed`` around a reconfiguration of the default group. Each stage of a round of several
+            (``hierarchical``) settles its own missing messages: a stage's matrix keeps a missed weight with the
+            receiver, and the stages' product is the round's.
         from_rank0: start from rank 0's parameters and buffers (a broadcast, after a check that every worker holds
             the same model). False for a worker that joins a running job and loads a peer's state instead.
         public_copy_dtype: with compression, the dtype of a pair's public copies (None: the parameters'):
@@ -242,9 +244,6 @@ class DecentralizedDataParallel(nn.Module):
         if isinstance(topology, str) and topology == ALLREDUCE:
             return AllReduceMode(self._context, start)
         built = self._members.topology(topology)
-        if built.is_staged and self._fault_tolerant:
-            raise ValueError(f"topology '{built.name}' has rounds of several stages; fault_tolerant gossip takes "
-                             "one-stage rounds (ring, complete, one-peer-exp, alternating-exp-ring)")
         if built.is_staged and any(hasattr(b.optimizer, "pre_average_hook") for b in self._buckets):
             raise ValueError(
                 f"topology '{built.name}' has rounds of several stages; an optimizer with decent-dp's "

@@ -101,6 +101,16 @@ class ModeContext:
                 self.missed.append((step, bucket.index, peer))
         self.exchanger.settle(bucket, edge, value, failed)
 
+    def wait_stage(self, works: list[Any], bucket: Bucket, edge: Edge, value: Tensor) -> None:
+        """A stage run in the foreground (a round's stages before or after its overlapped one): under
+        ``fault_tolerant`` each peer's message is waited on alone and one that fails settles as missing, as in the
+        overlapped stage (``Exchanger.settle`` also sums a group's messages into ``comm``, which no all-reduce does
+        there); else the stage's works, failing on a peer that does not answer."""
+        if self.fault_tolerant:
+            self._wait_each(works, bucket, edge, value)
+        else:
+            self.wait_works(works, bucket, edge.ranks, "exchange")
+
     def complete_pending(self, bucket: Bucket) -> None:
         """Complete an exchange but keep it pending, so its data is still mixed in at the next step."""
         exchange = self.wait_pending(bucket)
@@ -208,7 +218,7 @@ class GossipMode:
         exchanger, value = self.context.exchanger, bucket.flat
         for edge in stages[:async_stage]:
             works = exchanger.start(bucket, edge, value)
-            self.context.wait_works(works, bucket, edge.ranks, "exchange")
+            self.context.wait_stage(works, bucket, edge, value)
             value = exchanger.finish(bucket, edge, value)
         works = exchanger.start(bucket, stages[async_stage], value)
         bucket.pending = PendingExchange(stages, async_stage, value, works)
@@ -230,7 +240,7 @@ class GossipMode:
         for edge in stages[k + 1 :]:  # the stages after the one in flight: first finish that, then run each
             value = exchanger.finish(bucket, stages[k], value)
             works = exchanger.start(bucket, edge, value)
-            context.wait_works(works, bucket, edge.ranks, "exchange")
+            context.wait_stage(works, bucket, edge, value)
             k += 1
         if bucket.compressed is not None:  # the last stage is a compressed gossip step
             if len(stages) == 1:  # on the parameters, in place: the adaptive factor scales the step

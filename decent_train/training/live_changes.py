@@ -164,10 +164,9 @@ class LiveTraining:
         cfg = self.job.cfg
         world = dist.get_world_size()
         nodes = self.live.plan.members_per_node()
-        name, local = cfg.live_topology(world, nodes)
-        if name != cfg.topology.name:
-            logger.warning(f"topology {cfg.topology.name} cannot serve {world} workers (per node: "
-                           f"{', '.join(map(str, nodes))}); gossiping over {name}")
+        name, local, why = cfg.live_layout(world, nodes)
+        if why:  # one line per change that loses the topology's node structure
+            logger.warning(f"{why}; gossiping over {name} ({world} workers, per node: {', '.join(map(str, nodes))})")
         self.job.algo.membership_changed(name, local)
 
     def _stop(self, plan: Plan, step: int) -> None:
