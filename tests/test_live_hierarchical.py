@@ -32,8 +32,10 @@ harness of tests/test_live_engine.py (a parent store, torch 2.14's reconfigurabl
 
 from __future__ import annotations
 
+import signal
 import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -48,6 +50,7 @@ from decent_train.engine import reconfigure
 from decent_train.launcher.preflight import preflight
 from decent_train.training.live import Plan
 from decent_train.training.live_changes import LiveTraining
+from tests.test_live_launcher import KILL_AT, Signal, at_step, check_trained_to_the_end, launch
 from tests.test_live_engine import (
     BUCKET_MB, ENGINE_TIMEOUT_S, LR, TOL, die, enter_epoch, finish, gradient, load_params, loss_of, make_model,
     plain_sgd, run_members, save_params,
@@ -291,3 +294,19 @@ def test_live_local_steps_still_take_one_stage_rounds() -> None:
     with pytest.raises(ValueError) as error:
         preflight(cfg)
     assert "algorithm=diloco and topology=hierarchical" in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+def test_a_hierarchical_run_loses_a_worker_and_trains_to_the_end(tmp_path: Path) -> None:
+    """End to end (the default live job, 4 workers as 2 nodes of 2 by ``topology.local_world_size``): member 3
+    SIGKILLed at step >= 200; the 3 left cannot be 2-worker nodes, so they gossip over ring, each worker saying why
+    in one line, and train to the end."""
+    run = launch(tmp_path, "topology=hierarchical", "topology.local_world_size=2",
+                 signals=[Signal(at_step(KILL_AT), signal.SIGKILL, [3])])
+    check_trained_to_the_end(run)
+    assert "topology/rounds hierarchical: 4 workers (2 nodes x 2)" in run.console, f"{run}"  # two stages at first
+    assert run.members() == [4, 3], f"{run}"
+    for member in (0, 1, 2):
+        log = (run.run_dir / "logs" / f"member{member}.log").read_text(errors="replace")
+        fallbacks = [line for line in log.splitlines() if "gossiping over ring" in line]
+        assert len(fallbacks) == 1 and "topology hierarchical cannot serve 3 workers" in fallbacks[0], f"{run}"
