@@ -32,8 +32,11 @@ harness of tests/test_live_engine.py (a parent store, torch 2.14's reconfigurabl
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -50,7 +53,9 @@ from decent_train.engine import reconfigure
 from decent_train.launcher.preflight import preflight
 from decent_train.training.live import Plan
 from decent_train.training.live_changes import LiveTraining
+from tests.jobs import records
 from tests.test_live_launcher import KILL_AT, Signal, at_step, check_trained_to_the_end, launch
+from tests.test_live_nodes import SPARE_AT, Cluster
 from tests.test_live_engine import (
     BUCKET_MB, ENGINE_TIMEOUT_S, LR, TOL, die, enter_epoch, finish, gradient, load_params, loss_of, make_model,
     plain_sgd, run_members, save_params,
@@ -89,6 +94,7 @@ SCENARIOS: dict[str, tuple[int, list[Epoch]]] = {  # (workers per node as launch
     ]),
 }
 STEPS = 10
+NODE_STEPS, NODE_KILL_AT, NODES_TIMEOUT_S = 3000, 150, 420  # node agents; the spare says hello in ~20 s here
 
 
 def layouts(per_node: int, epochs: list[Epoch]) -> list[tuple[str, int, str]]:
@@ -310,3 +316,43 @@ def test_a_hierarchical_run_loses_a_worker_and_trains_to_the_end(tmp_path: Path)
         log = (run.run_dir / "logs" / f"member{member}.log").read_text(errors="replace")
         fallbacks = [line for line in log.splitlines() if "gossiping over ring" in line]
         assert len(fallbacks) == 1 and "topology hierarchical cannot serve 3 workers" in fallbacks[0], f"{run}"
+
+
+@pytest.mark.slow
+def test_hierarchical_over_nodes_loses_a_node_and_takes_a_spare(tmp_path: Path) -> None:
+    """Nodes as node agents on localhost (tests/test_live_nodes.py's ``Cluster``): 2 nodes x 2 of hierarchical;
+    node 1 SIGKILLed (its agent's process group) after step 150: 4 -> 2 in one change, hierarchical over the node
+    left (its average); a spare node started once training runs joins as a group when node 1 has left: 4 workers on
+    2 nodes, hierarchical's two stages again. No change loses the structure, so no worker logs a fallback."""
+    cluster = Cluster(tmp_path, "launch.nnodes=2", "launch.nproc_per_node=2", "topology=hierarchical",
+                      f"steps={NODE_STEPS}", "logger.log_every=10", "logger.progress_bar=false",
+                      "fault_tolerance.detect_s=2", "logger.wandb.mode=disabled")
+    try:
+        for _ in range(2):
+            cluster.start_agent()
+        start, killed_at = time.monotonic(), None
+        while cluster.coordinator.poll() is None:
+            assert time.monotonic() - start < NODES_TIMEOUT_S, f"no exit in {NODES_TIMEOUT_S} s{cluster.consoles()}"
+            if len(cluster.agents) == 2 and cluster.last_step() >= SPARE_AT:
+                cluster.start_agent()
+            if killed_at is None and cluster.last_step() >= NODE_KILL_AT and cluster.members_of(1):
+                killed_at = cluster.last_step()
+                os.killpg(cluster.agents[1].pid, signal.SIGKILL)
+            time.sleep(0.01)
+    finally:
+        cluster.close()
+    context = cluster.consoles()
+    assert cluster.coordinator.returncode == 0 and killed_at is not None, context
+    rows = records(cluster.run_dir)
+    steps = [r["step"] for r in rows]
+    assert all(x < y for x, y in zip(steps, steps[1:])) and steps[-1] == NODE_STEPS, f"{steps}{context}"
+    counts = [r["world/members"] for r in rows]
+    assert [n for i, n in enumerate(counts) if i == 0 or counts[i - 1] != n] == [4, 2, 4], f"{counts}{context}"
+    result = json.loads((cluster.run_dir / "result.json").read_text())
+    assert result["eval/accuracy"] >= 0.95, f"{result}{context}"
+    loss, join = result["membership_changes"]
+    assert sorted(x["member"] for x in loss["lost"]) == cluster.members_of(1), f"{loss}{context}"
+    assert sorted(j["member"] for j in join["joined"]) == cluster.members_of(2), f"{join}{context}"
+    logs = [log.read_text(errors="replace") for log in (cluster.run_dir / "logs").glob("member*.log")]
+    assert any("continuing on 2 workers, topology hierarchical" in log for log in logs), context
+    assert not any("gossiping over" in log for log in logs), context
