@@ -292,14 +292,16 @@ def test_a_change_that_loses_the_node_structure_logs_one_line(monkeypatch: pytes
     assert "nodes of different sizes (2, 1)" in lines[0] and "gossiping over ring" in lines[0], lines
 
 
-def test_live_local_steps_still_take_one_stage_rounds() -> None:
-    """DiLoCo's outer exchange under live is replayed over one-stage rounds only (tests/test_live_local_steps.py):
-    two stages are refused in one line, before any worker starts."""
-    cfg = check_config({"fault_tolerance": {"name": "live"}, "algorithm": "diloco", "launch": {"nproc_per_node": 4},
-                        "topology": {"name": "hierarchical", "local_world_size": 2}})
+@pytest.mark.parametrize(("override", "named"), [({"algorithm": "diloco"}, "algorithm=diloco"),
+                                                  ({"compression": {"name": "int8"}}, "compression=int8")])
+def test_live_local_steps_and_compression_still_take_one_stage_rounds(override: dict[str, Any], named: str) -> None:
+    """DiLoCo's outer exchange under live is replayed over one-stage rounds only (tests/test_live_local_steps.py),
+    and compressed gossip with two stages under live by nothing: refused in one line, before any worker starts."""
+    cfg = check_config({"fault_tolerance": {"name": "live"}, "launch": {"nproc_per_node": 4},
+                        "topology": {"name": "hierarchical", "local_world_size": 2}, **override})
     with pytest.raises(ValueError) as error:
         preflight(cfg)
-    assert "algorithm=diloco and topology=hierarchical" in str(error.value) and "\n" not in str(error.value)
+    assert f"{named} and topology=hierarchical" in str(error.value) and "\n" not in str(error.value)
 
 
 @pytest.mark.slow

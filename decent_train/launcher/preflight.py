@@ -78,17 +78,19 @@ def check_live(cfg: TrainConfig) -> None:
     """``fault_tolerance=live`` needs torch's reconfigurable process groups, and the data must shard over every
     number of members the run may have (from ``fault_tolerance.min_workers`` to every node's workers). Any
     topology the launch can gossip over is taken (``check_topologies``), two-stage ``hierarchical`` too for the
-    engine's gossip: a change lays it out over the nodes that remain or falls back (``TrainConfig.live_layout``);
-    the local steps' outer exchange, not replay-tested with two stages across a change, still takes one-stage
-    rounds."""
+    engine's uncompressed gossip: a change lays it out over the nodes that remain or falls back
+    (``TrainConfig.live_layout``); the local steps' outer exchange and compressed gossip, which no replay covers with
+    two stages across a loss, still take one-stage rounds."""
     if cfg.launch.nproc_per_node is not None:
         most = cfg.launch.max_nodes * cfg.launch.nproc_per_node  # every node's workers
         cfg.dataset.check_partition(list(range(cfg.fault_tolerance.min_workers, most + 1)))
-        if cfg.algorithm.name != "decentralized" and cfg.build_topology(world_size=most).is_staged:
-            raise ValueError(f"fault_tolerance=live with algorithm={cfg.algorithm.name} and topology="
-                             f"{cfg.topology.name}: two-stage outer steps are not replayed across a change yet; "
-                             "live local steps take one-stage rounds (complete, ring, one-peer-exp, "
-                             "alternating-exp-ring)")
+        untested = (f"algorithm={cfg.algorithm.name}" if cfg.algorithm.name != "decentralized"
+                    else f"compression={cfg.compression.name}" if cfg.compression.name != "none" else None)
+        if untested and cfg.build_topology(world_size=most).is_staged:
+            raise ValueError(f"fault_tolerance=live with {untested} and topology={cfg.topology.name}: two-stage "
+                             "rounds are replayed across a change only for uncompressed gossip "
+                             "(algorithm=decentralized compression=none); take a one-stage topology (complete, ring, "
+                             "one-peer-exp, alternating-exp-ring)")
     if not reconfigure.supported():
         raise ValueError(f"fault_tolerance=live needs torch >= 2.14 (reconfigurable process groups); this is torch "
                          f"{torch.__version__}")
