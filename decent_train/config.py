@@ -373,8 +373,8 @@ class TrainConfig:
              "worker; leave it 0"),
             (launch.device not in ("cpu", "cuda"), f"launch.device={launch.device}: live membership runs on the "
              "device named; use launch.device=cpu or cuda"),
-            (launch.device == "cuda" and reconfigure.why_unsupported("cuda") is not None, f"launch.device=cuda: "
-             f"{reconfigure.why_unsupported('cuda')}; use launch.device=cpu"),
+            (launch.device == "cuda" and ft.role != "coordinator" and reconfigure.why_unsupported("cuda") is not None,
+             f"launch.device=cuda: {reconfigure.why_unsupported('cuda')}; use launch.device=cpu"),  # where workers run
             (ft.role != "both" and not launch.rdzv_endpoint, f"fault_tolerance.role={ft.role}: the agents reach "
              "the coordinator at launch.rdzv_endpoint; set launch.rdzv_endpoint=HOST:PORT (the coordinator's host, "
              "the same on every node)"),

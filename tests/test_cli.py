@@ -135,7 +135,12 @@ BAD_INPUTS = {
     "allreduce with compression": (["algorithm=allreduce", "compression=int8"], ["compression=int8 compresses gossip"]),
     "phases with diloco": (["algorithm=diloco", "phases=[{algorithm:allreduce,steps:5},{}]"],
                            ["leave algorithm=decentralized (not 'diloco')"]),
-    **({"cuda without a GPU": (["launch=gpu"], ["launch.device=cuda", "launch.device=cpu"])} if not torch.cuda.is_available() else {}),
+    **({"cuda without a GPU": (["launch=gpu"], ["launch.device=cuda", "launch.device=cpu"]),
+        "a live coordinator without a GPU": (["launch=gpu", "fault_tolerance=live", "fault_tolerance.role=coordinator",
+                                              "launch.rdzv_endpoint=127.0.0.1:29397"],
+                                             ["fault_tolerance.role=coordinator with launch.device=cuda",
+                                              "set launch.nproc_per_node"])}
+       if not torch.cuda.is_available() else {}),
     "engine environment": ([], ["DECENT_TRAIN_COMPILED_INT8='yes'", "auto, always, never"]),
 }
 BAD_ENVIRONMENT = {"engine environment": {"DECENT_TRAIN_COMPILED_INT8": "yes"}}

@@ -212,6 +212,19 @@ def test_bad_values_name_themselves(override: dict, fragment: str) -> None:
     assert fragment in str(error.value)
 
 
+@pytest.mark.skipif(reconfigure.why_unsupported("cuda") is None, reason="this machine can run live workers on cuda")
+def test_live_cuda_is_checked_where_workers_run_not_on_the_coordinators_host() -> None:
+    """The coordinator runs no worker (a login or batch host, often without a GPU): ``launch.device=cuda`` is the
+    agents' to check on their nodes. Here, where live workers cannot run on cuda, an agent refuses it in one line and
+    a coordinator takes it."""
+    live = {"fault_tolerance": {"name": "live", "role": "agent"}, "launch": {"device": "cuda",
+                                                                            "rdzv_endpoint": "10.0.0.1:29400"}}
+    with pytest.raises(ValueError, match="launch.device=cuda: live membership"):
+        check_config(live)
+    live["fault_tolerance"]["role"] = "coordinator"
+    assert check_config(live).launch.device == "cuda"
+
+
 PREFLIGHT_ONLY = [  # what needs the disk, the user's code or a topology built: the launcher's preflight, not the schema
     ({"dataset": {"name": "tokens", "root": "/no/such/dir"}, "model": {"name": "gpt2"}}, "/no/such/dir"),
     ({"topology": {"name": "torus"}}, "unknown topology 'torus'"),

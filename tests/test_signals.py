@@ -17,6 +17,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from decent_train.components.checkpoint import complete_checkpoints
 from decent_train.launcher.supervisor import WORKERS_FILE
 from decent_train.training.stop import EXIT_STOPPED, STOP_FILE
 
-from .jobs import COMMAND, worker_pids
+from .jobs import COMMAND, start, worker_pids
 from .test_elastic import alive
 
 pytestmark = pytest.mark.slow
@@ -198,3 +199,35 @@ def test_ctrl_c_stops_a_live_run_with_a_checkpoint_and_resume_goes_on(tmp_path: 
     result = json.loads((tmp_path / "end" / "result.json").read_text())
     assert (result["resumed_from_step"], result["steps"]) == (step, STEPS), result
     assert result["eval/accuracy"] >= 0.9, result
+
+
+def test_sigterm_ends_a_coordinator_waiting_for_its_nodes(tmp_path: Path) -> None:
+    """A live coordinator whose node agents never came (a typo in the agents' command, a job not yet scheduled) stops
+    on SIGTERM within a second, with one line and 128 + 15; before, it ignored the signal and waited out
+    ``pg_timeout_s`` (measured: still waiting 10 minutes after ``timeout 60`` sent SIGTERM)."""
+    port = _free_port()
+    proc = start("fault_tolerance=live", "fault_tolerance.role=coordinator", f"launch.rdzv_endpoint=127.0.0.1:{port}",
+                 "logger.wandb.mode=disabled", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # its store listens: it waits for the agents
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the coordinator's store never listened")
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 128 + signal.SIGTERM, err
+        assert time.monotonic() - sent < 5
+        assert err.strip().splitlines()[-1].startswith("decent-train: stopped by SIGTERM"), err
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

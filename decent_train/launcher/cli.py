@@ -130,9 +130,13 @@ def _check_and_launch(cfg: DictConfig) -> float | None:
     cfg.run.overrides = list(hydra_cfg.overrides.task)
     cfg.run.job_num = hydra_cfg.job.num if multirun else None
     cfg.run.sweep_dir = str(Path(hydra_cfg.sweep.dir).resolve()) if multirun else None
+    coordinating = cfg.fault_tolerance.get("role") == "coordinator"  # no worker here: each agent checks its node
     if cfg.launch.nproc_per_node is None:  # one worker per GPU
+        if coordinating and cfg.launch.device == "cuda" and not torch.cuda.is_available():
+            _exit_with("fault_tolerance.role=coordinator with launch.device=cuda on a host without a GPU: set "
+                       "launch.nproc_per_node to the workers per node (the agents' GPUs)", 2)
         cfg.launch.nproc_per_node = max(1, torch.cuda.device_count())
-    if not cfg.dry_run:  # a login node may check a job for GPU nodes
+    if not cfg.dry_run and not coordinating:  # a login node may check a job for GPU nodes
         check_devices(cfg.launch.device, cfg.launch.nproc_per_node, torch.cuda.is_available(), torch.cuda.device_count())
     if cfg.resume:
         cfg.resume = str(Path(cfg.resume).resolve())  # the workers may start elsewhere (another node's directory)

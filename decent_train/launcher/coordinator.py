@@ -35,7 +35,7 @@ import torch.distributed as dist
 from loguru import logger
 
 from decent_train.config import TrainConfig
-from decent_train.launcher.launch import StopForwarding, WorkerFailure
+from decent_train.launcher.launch import Interrupted, StopForwarding, WorkerFailure
 from decent_train.training.live import Keys, Plan
 
 POLL_S = 0.02  # between two looks at the nodes
@@ -309,9 +309,11 @@ class Coordinator:
     def _wait_for_founders(self) -> None:
         """The first plan: ``launch.nnodes`` (MIN) nodes registered, each with every worker's hello. A worker lost
         before it (its agent reports why: an exit, or no hello within its bound) stops the launch with one line: no
-        plan exists yet to go on without it. Nodes must register within ``pg_timeout_s``."""
+        plan exists yet to go on without it. Nodes must register within ``pg_timeout_s``; a stop signal ends the wait."""
         start, needed = time.monotonic(), self.launch.min_nodes
         while True:
+            if self.stopping.received is not None:  # no worker trains yet: nothing to stop at a step
+                raise Interrupted(self.stopping.received)
             lost = self._look()
             for member_id, why in lost.items():
                 if why.startswith("no hello"):
