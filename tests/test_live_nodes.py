@@ -611,3 +611,27 @@ def test_diloco_across_nodes_goes_on_without_a_node_killed(tmp_path: Path) -> No
     (change,) = result["membership_changes"]
     assert sorted(x["member"] for x in change["lost"]) == sorted(victims) and len(victims) == 2, f"{change}{context}"
     assert result["eval/accuracy"] >= 0.95, f"{result}{context}"
+
+
+def test_the_run_ends_when_joiners_were_planned_as_training_finished(tmp_path: Path) -> None:
+    """A spare node's workers planned in the same moment training ended never join (no record step is left to change
+    at): the run is over once every member that trained is done, not when the joiners are (seen once: a coordinator
+    waiting for them until killed)."""
+    coordinator, (a, b) = _founded(tmp_path, _cfg("2:3"), 2)
+    _commit(coordinator)
+    spare = FakeAgent(coordinator.port, 2)
+    spare.hello()
+    _steps_until(coordinator, [a, b, spare], lambda: _epochs(coordinator) > 1)
+    assert coordinator.plan.joined == [4, 5]  # planned, not committed: the change never comes
+    for agent in (a, b):
+        for member in agent.members:
+            agent.report("done", member=member)
+    over = False
+    for _ in range(20):
+        for agent in (a, b, spare):
+            agent.beat()
+        over = coordinator._step()
+        if over:
+            break
+        time.sleep(0.02)
+    assert over

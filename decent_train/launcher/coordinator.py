@@ -352,8 +352,9 @@ class Coordinator:
             if set(lost) - self.lost_at_end:
                 logger.warning(f"lost after the end of training: {lost}")
             self.lost_at_end |= set(lost)
-        if self.finished:
-            return all(m in self.finished or m in self.lost_at_end for m in plan.members)
+        if self.finished:  # over once every member that trained is done; joiners of a plan not committed never
+            trained = set(self._established())  # will (their agents stop them at the end)
+            return all(m in self.finished or m in self.lost_at_end for m in plan.members if m in trained)
         if lost:
             self._plan_without(plan, lost)
             return False
