@@ -48,6 +48,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -275,6 +276,24 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def alternated_rounds(names: list[str], repeats: int, run_one: Callable[[str, int], dict[str, Any]],
+                      describe: Callable[[dict[str, Any]], str]) -> tuple[list[dict[str, Any]], list[str]]:
+    """``run_one(variant, round)`` for every variant in each of ``repeats`` rounds, each round starting one variant
+    later, so that the machine's drift hits all alike; the runs, and ``uptime`` before and after."""
+    uptime = [subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()]
+    print(f"uptime: {uptime[0]}", flush=True)
+    runs = []
+    for k in range(repeats):
+        for name in names[k % len(names):] + names[:k % len(names)]:
+            run = run_one(name, k) | {"round": k}
+            runs.append(run)
+            print(f"round {k} {name}: {describe(run)} (process {run['process_wall_s']:.1f} s, load average "
+                  f"{os.getloadavg()[0]:.1f})", flush=True)
+    uptime.append(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+    print(f"uptime: {uptime[1]}", flush=True)
+    return runs, uptime
+
+
 def describe(run: dict[str, Any]) -> str:
     if "failed" in run:
         return f"FAILED: {run['failed']}"
@@ -308,17 +327,9 @@ def main() -> None:
         sys.exit(f"bench_fault_tolerance.py: no variant {', '.join(unknown)}; valid: {', '.join(VARIANTS)}")
     runs_dir = args.out.with_suffix("").resolve()
     runs_dir.mkdir(parents=True, exist_ok=True)
-    uptime = [subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()]
-    print(f"uptime: {uptime[0]}", flush=True)
-    runs = []
-    for k in range(args.repeats):
-        for name in names[k % len(names):] + names[:k % len(names)]:  # each round starts one variant later
-            run = run_one(name, runs_dir / f"{name}-r{k}", args.at, args.timeout, args.detect_s) | {"round": k}
-            runs.append(run)
-            print(f"round {k} {name}: {describe(run)} (process {run['process_wall_s']:.1f} s, load average "
-                  f"{os.getloadavg()[0]:.1f})", flush=True)
-    uptime.append(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
-    print(f"uptime: {uptime[1]}", flush=True)
+    runs, uptime = alternated_rounds(
+        names, args.repeats, lambda name, k: run_one(name, runs_dir / f"{name}-r{k}", args.at, args.timeout,
+                                                     args.detect_s), describe)
     summary = summarize(runs, names)
     print(table(summary))
     args.out.parent.mkdir(parents=True, exist_ok=True)

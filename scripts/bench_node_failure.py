@@ -54,7 +54,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests/netns.py, the harness
 # scripts/bench_fault_tolerance.py, beside this script: how a run's files are measured, shared
-from bench_fault_tolerance import COMMAND, _s, rank0_records, spread, stalls, steps_logged  # noqa: E402
+from bench_fault_tolerance import COMMAND, _s, alternated_rounds, rank0_records, spread, stalls, steps_logged  # noqa: E402
 from bench_fault_tolerance import measure as measure_files  # noqa: E402
 
 from tests.netns import LEFTOVER, PREFIX, Network, Node, netem_available, nodes, nodes_available  # noqa: E402
@@ -363,17 +363,8 @@ def main() -> None:
         print("no latency between the nodes: --delay-ms 0", flush=True)
     runs_dir = args.out.with_suffix("").resolve()
     runs_dir.mkdir(parents=True, exist_ok=True)
-    uptime = [subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()]
-    print(f"uptime: {uptime[0]}", flush=True)
-    runs = []
-    for k in range(args.repeats):
-        for name in names[k % len(names):] + names[:k % len(names)]:  # each round starts one variant later
-            run = run_one(name, runs_dir / f"{name}-r{k}", args) | {"round": k}
-            runs.append(run)
-            print(f"round {k} {name}: {describe(run)} (process {run['process_wall_s']:.1f} s, load average "
-                  f"{os.getloadavg()[0]:.1f})", flush=True)
-    uptime.append(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
-    print(f"uptime: {uptime[1]}", flush=True)
+    runs, uptime = alternated_rounds(names, args.repeats,
+                                     lambda name, k: run_one(name, runs_dir / f"{name}-r{k}", args), describe)
     summary = summarize(runs, names)
     print(table(summary))
     print(delay_line_cost(summary))
