@@ -34,6 +34,7 @@ from decent_train.components.optim import OptimConfig, SchedulerConfig
 from decent_train.engine import ALLREDUCE, reconfigure
 from decent_train.engine.compress import COMPRESSORS, make_compressor
 from decent_train.engine.ddp import check_engine_arguments
+from decent_train.engine.node_layout import layout_over_nodes
 from decent_train.engine.topology import ShardedTopology, Topology, build_topology
 
 PHASE_ALGORITHMS = ("decentralized", ALLREDUCE)  # a phase's engine mode: gossip over a topology, or all-reduce
@@ -548,46 +549,11 @@ class TrainConfig:
 
     def live_layout(self, world_size: int, members_per_node: list[int] | None = None) -> tuple[str, int, str]:
         """:meth:`live_topology`, and why it is not ``topology.name`` over the members' nodes ('' when it is: the
-        reason a change logs, once). Nodes of one size keep their structure (a whole node lost leaves them so:
-        ``hierarchical`` keeps its two stages over a power-of-two number of nodes, and over one node is its
-        within-node average); nodes of different sizes (a worker lost, not its node) are laid out as one node,
-        unless that makes a round one group of every member (``hierarchical`` as one node is ``complete``: every
-        worker a message to every other at each step): ring then, as for a topology that cannot serve the count."""
-        name, configured = self.topology.name, self.topology.local_world_size
+        reason a change logs, once); the rule: ``engine/node_layout.py``."""
         per_node = self.launch.nproc_per_node
         launched = [per_node] * (world_size // per_node) if per_node and world_size % per_node == 0 else None
-        sizes = members_per_node or launched or [world_size]
-        why = ""
-        if len(sizes) > 1 and len(set(sizes)) == 1:
-            local = configured if configured and sizes[0] % configured == 0 else sizes[0]
-        else:
-            local = world_size if configured is None or configured >= world_size else configured
-            if len(set(sizes)) > 1:
-                why = (f"topology {name}: nodes of different sizes ({', '.join(map(str, sizes))}) laid out as "
-                       + ("one node" if local == world_size else f"nodes of {local}"))
-        try:
-            built = build_topology(name, world_size, local)
-        except ValueError as error:
-            return "ring", world_size, f"topology {name} cannot serve {world_size} workers ({local} per node): {error}"
-        if why and _groups(built) == _node_free_groups(name, world_size):
-            why = ""  # a schedule that does not depend on the nodes (ring, complete) lost nothing
-        if why and world_size > 2 and any(len(stages) == 1 and len(stages[0]) == 1 for stages in built.stages):
-            return "ring", world_size, (f"{why} would be one group of all {world_size} (each worker a message to "
-                                        "every other at every step)")
-        return name, local, why
-
-
-def _groups(topology: Topology) -> list[list[list[list[int]]]]:
-    """A schedule's groups (ranks only), round by round and stage by stage."""
-    return [[[edge.ranks for edge in edges] for edges in stages] for stages in topology.stages]
-
-
-def _node_free_groups(name: str, world_size: int) -> list[list[list[list[int]]]] | None:
-    """The groups of topology ``name`` over ``world_size`` workers of a node each (None if it cannot be laid out so)."""
-    try:
-        return _groups(build_topology(name, world_size, 1))
-    except ValueError:
-        return None
+        return layout_over_nodes(self.topology.name, world_size, members_per_node or launched or [world_size],
+                                 self.topology.local_world_size)
 
 
 def check_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:
