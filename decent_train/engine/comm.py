@@ -1,6 +1,6 @@
 """Communication utilities: a clear error when a peer stops answering, waits on exchanges that do not block a GPU's
 host thread, point-to-point sends that do not run on the training thread, and collectives that let go of their
-tensors before they return (a clean interpreter exit)."""
+tensors before they return (a clean interpreter exit), and launches that outlive a profiler safely."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ __all__ = [
     "peers_must_answer",
     "run_collective",
     "stop_before",
+    "unrecorded",
 ]
 
 _stop_before: str | None = None  # tests only (training/live.py's PAUSE_ENV): stop before this collective
@@ -120,6 +121,26 @@ class CommWaits:
         return self._seconds
 
 
+@contextlib.contextmanager
+def unrecorded() -> Iterator[None]:
+    """Launch communication that may outlive the step unseen by torch.profiler's record functions, while one records.
+
+    Why: c10d ends an async work's record function when the work completes, on its own thread, and when the profiler
+    that recorded the start has stopped by then the process crashes (SIGSEGV, or glibc's "unaligned tcache chunk";
+    torch 2.10 and 2.14, gloo: a profiled region that ends with 3 all-reduces in flight crashes one of 4 processes
+    within a few hundred repeats). The engine's and the fronts' exchanges complete in the next step, so every profiled
+    region of training ends with some in flight. The launch's and the waits' own ranges stay in the trace.
+    """
+    if not torch._C._autograd._profiler_enabled():
+        yield
+        return
+    torch._C._autograd._enable_record_function(False)
+    try:
+        yield
+    finally:
+        torch._C._autograd._enable_record_function(True)
+
+
 class PairPoster:
     """Posts a pair's sends and receives (``dist.batch_isend_irecv``); on the CPU from a thread of its own.
 
@@ -138,7 +159,8 @@ class PairPoster:
     def post(self, ops: list[dist.P2POp]) -> list[Any]:
         """Start ``ops``; what to wait on (each has ``wait(timeout=None)`` like a Work)."""
         if ops[0].tensor.device.type != "cpu":
-            return dist.batch_isend_irecv(ops)
+            with unrecorded():
+                return dist.batch_isend_irecv(ops)
         self._ensure_thread()
         return [_PostedBatch(self._thread.submit(dist.batch_isend_irecv, ops))]
 
@@ -146,7 +168,8 @@ class PairPoster:
         """Start each of ``ops`` on its own, in order; one wait object per op, so that one peer's failure (posting
         or completing) leaves the others' ops alone."""
         if ops[0].tensor.device.type != "cpu":
-            return [_post_op(op) for op in ops]
+            with unrecorded():
+                return [_post_op(op) for op in ops]
         self._ensure_thread()
         posting = self._thread.submit(lambda: [_post_op(op) for op in ops])
         return [_PostedOp(posting, i) for i in range(len(ops))]

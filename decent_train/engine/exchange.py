@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from decent_train.engine.comm import PairPoster
+from decent_train.engine.comm import PairPoster, unrecorded
 from decent_train.engine.compress import CompressedGossip
 from decent_train.engine.topology import Edge
 
@@ -117,7 +117,8 @@ class Exchanger:
                 ]
             )
         bucket.comm.copy_(value)
-        return [dist.all_reduce(bucket.comm, group=edge.group, async_op=True)]
+        with unrecorded():
+            return [dist.all_reduce(bucket.comm, group=edge.group, async_op=True)]
 
     def _start_compressed(self, bucket: ExchangeBuffers, edge: Edge, message: Tensor) -> list[Any]:
         """A pair swaps messages, a group all-gathers them."""
@@ -134,7 +135,8 @@ class Exchanger:
                     dist.P2POp(dist.irecv, incoming[0], peer, self.group, tag),
                 ]
             )
-        return [dist.all_gather(incoming[: edge.size], message, group=edge.group, async_op=True)]
+        with unrecorded():
+            return [dist.all_gather(incoming[: edge.size], message, group=edge.group, async_op=True)]
 
     def _peer(self, edge: Edge) -> int:
         return edge.ranks[0] if edge.ranks[1] == self.rank else edge.ranks[1]
