@@ -318,6 +318,9 @@ def test_a_hierarchical_run_loses_a_worker_and_trains_to_the_end(tmp_path: Path)
         log = (run.run_dir / "logs" / f"member{member}.log").read_text(errors="replace")
         fallbacks = [line for line in log.splitlines() if "gossiping over ring" in line]
         assert len(fallbacks) == 1 and "topology hierarchical cannot serve 3 workers" in fallbacks[0], f"{run}"
+    assert json.loads((run.run_dir / "result.json").read_text())["topology"] == "ring", f"{run}"
+    summary = [line for line in run.console.splitlines() if line.startswith("decent-train: eval/accuracy")]
+    assert len(summary) == 1 and "topology=hierarchical (ended on ring)" in summary[0], f"{run}"
 
 
 @pytest.mark.slow

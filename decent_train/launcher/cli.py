@@ -207,6 +207,9 @@ def _train(cfg: TrainConfig, run_dir: Path, config_path: Path) -> float:
         _exit_stopped(cfg, run_dir, received or signal.Signals[stop.signal])
     wall = time.perf_counter() - start
     result = complete_result(run_dir / RESULT_FILE, wall, changes)
+    ended_on = result.get("topology")  # live: a membership change may have made the workers fall back to another
+    if not cfg.phases and cfg.gossips and ended_on not in (None, cfg.topology.name):
+        what = what.replace(f"topology={cfg.topology.name}", f"topology={cfg.topology.name} (ended on {ended_on})", 1)
     if result["resumed_from_step"] < result["steps"]:
         speed = f"{result['throughput/samples_per_s']:.0f} samples/s over"
     else:  # resumed from the final checkpoint: only the evaluation was left
