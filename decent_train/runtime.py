@@ -1,16 +1,20 @@
-"""Process start-up for a worker under torchrun: the process group, a store of its own per restart, and dying with
-the elastic agent that started it."""
+"""Process start-up for a worker under torchrun: the process group, a store of its own per restart, dying with the
+elastic agent that started it, and an error file the agent can always read."""
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import sys
+import time
+import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -64,3 +68,26 @@ def die_with_agent() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != int(agent):  # it died before the line above
         sys.exit(f"the elastic agent (pid {agent}) died before this worker started")
+
+
+class WholeErrorFile(ErrorHandler):
+    """torch's worker error file (``TORCHELASTIC_ERROR_FILE``, the format ``ErrorHandler`` writes), written to a file
+    of its own first and renamed into place: the agent finds it whole or not at all.
+
+    Why: the elastic agent parses the error file of every failed worker and raises on one it cannot parse, which ends
+    the whole restart ("Failed to parse reply file"). torch's handler truncates the file, then encodes and writes, so
+    a worker killed in between (the agent stops every worker when one fails) leaves it empty; runs of the restart
+    benchmark (scripts/bench_fault_tolerance.py) ended so.
+    """
+
+    def record_exception(self, e: BaseException) -> None:
+        file = self._get_error_file_path()
+        if not file:
+            super().record_exception(e)  # no file to write: torch logs it
+            return
+        data = {"message": {"message": f"{type(e).__name__}: {e}",
+                            "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}}}
+        partial = f"{file}.{os.getpid()}.partial"
+        with open(partial, "w") as fp:
+            json.dump(data, fp)
+        os.replace(partial, file)

@@ -6,6 +6,7 @@ average of the workers' models, and (rank 0) writes metrics.jsonl, result.json a
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import sys
@@ -14,17 +15,17 @@ from pathlib import Path
 
 import torch.distributed as dist
 from loguru import logger
-from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from decent_train.components.metrics import setup_worker_logging
 from decent_train.config import load_config
 from decent_train.engine.comm import peers_must_answer
-from decent_train.runtime import die_with_agent, init_distributed
+from decent_train.runtime import WholeErrorFile, die_with_agent, init_distributed
 from decent_train.training import stop, train
 from decent_train.training.live import STORE_ENV, LiveMembership, connect
 
 
-@record
+@functools.partial(record, error_handler=WholeErrorFile())
 def main(argv: list[str] | None = None) -> None:
     die_with_agent()
     logger.enable("decent_train")  # silent as a library (decent_train/__init__.py); a worker logs to its file
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
         # The traceback goes to this rank's log and to the error file the launcher reports from; not to the console
         # of every rank.
         logger.opt(exception=error).debug(f"rank {dist.get_rank()} failed")
-        ErrorHandler().record_exception(error)
+        WholeErrorFile().record_exception(error)
         sys.exit(1)
     finally:
         if live is not None:
