@@ -127,9 +127,9 @@ def unrecorded() -> Iterator[None]:
 
     Why: c10d ends an async work's record function when the work completes, on its own thread, and when the profiler
     that recorded the start has stopped by then the process crashes (SIGSEGV, or glibc's "unaligned tcache chunk";
-    torch 2.10 and 2.14, gloo: a profiled region that ends with 3 all-reduces in flight crashes one of 4 processes
-    within a few hundred repeats). The engine's and the fronts' exchanges complete in the next step, so every profiled
-    region of training ends with some in flight. The launch's and the waits' own ranges stay in the trace.
+    seen with gloo on torch 2.10 and 2.14). The engine's and the fronts' exchanges complete in the next step, so every
+    profiled region of training ends with some in flight (tests/test_profiled_training.py). The launch's and the
+    waits' own ranges stay in the trace; on a GPU the profiler still sees NCCL's kernels.
     """
     if not torch._C._autograd._profiler_enabled():
         yield
