@@ -11,6 +11,7 @@ the bit (the same steps, taken by a second engine in the same workers).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -27,11 +28,8 @@ REGIONS = 120  # without the guard one of the 4 workers crashed in 5 of 6 runs o
 def _train(rank: int, compression: str | None, profiled: bool) -> dict[str, torch.Tensor]:
     ddp = DecentralizedDataParallel(make_model(SEED), SGD, topology="complete", bucket_size_in_mb=0.0005,
                                     compression=compression)
-    for step in range(REGIONS):
-        if profiled:  # one step per region: each ends with every bucket's exchange in flight
-            with profile(activities=[ProfilerActivity.CPU]):
-                loss_fn(ddp, rank, step).backward()
-        else:
+    for step in range(REGIONS):  # one step per region: each ends with every bucket's exchange in flight
+        with profile(activities=[ProfilerActivity.CPU]) if profiled else contextlib.nullcontext():
             loss_fn(ddp, rank, step).backward()
     ddp.engine_state_dict()  # completes the last exchange in both runs alike
     return snapshot(ddp.module)
