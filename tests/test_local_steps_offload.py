@@ -93,6 +93,7 @@ CASES = {  # name: (kind, topology, options, steps, the replay that applies)
     "diloco-complete": ("diloco", "complete", {"sync_every": 5}, 20, "local_steps"),
     "diloco-ring": ("diloco", "ring", {"sync_every": 5}, 20, "local_steps"),
     "localsgd-ring": ("localsgd", "ring", {"sync_every": 5}, 20, "local_steps"),
+    "localsgd-complete": ("localsgd", "complete", {"sync_every": 5}, 20, "local_steps"),  # x reduced in place
     "streaming-ring": ("diloco", "ring", STREAMING, 18, "streaming"),
     "streaming-complete": ("diloco", "complete", STREAMING, 18, "streaming"),
     "streaming-localsgd": ("localsgd", "one-peer-exp", STREAMING, 18, "streaming"),
@@ -173,8 +174,9 @@ def _equal_fragments(seed: int) -> nn.Sequential:
 
 
 def _memory_run(rank: int, world_size: int, topology: str, compression: str | None, offload: bool,
-                variant: str) -> list[dict[str, int]]:
-    """``memory_bytes()`` after every inner step (a post-hook registered after the front's)."""
+                variant: str) -> tuple[list[dict[str, int]], list[dict[str, int]]]:
+    """``memory_bytes()`` after every inner step (a post-hook registered after the front's) and after every
+    ``outer.step()`` call (a part of a fragment's outer step)."""
     model = _equal_fragments(rank)
     inner = _inner(model.parameters())
     options = {"sync_every": FRAGMENTS * PERIOD, "fragment_sync_delay": DELAY, "fragments": "modules",
@@ -184,6 +186,8 @@ def _memory_run(rank: int, world_size: int, topology: str, compression: str | No
         for group in front.groups:
             group._drop_device_buffers = lambda group=group: setattr(group, "acquired", False)
     seen: list[dict[str, int]] = []
+    seen_outer: list[dict[str, int]] = []
+    front.outer.register_step_post_hook(lambda *_: seen_outer.append(front.memory_bytes()))
     with front:
         inner.register_step_post_hook(lambda *_: seen.append(front.memory_bytes()))
         for step in range(MEMORY_STEPS):
@@ -191,7 +195,19 @@ def _memory_run(rank: int, world_size: int, topology: str, compression: str | No
             ((model(x) - x.flip(1)) ** 2).mean().backward()
             inner.step()
             inner.zero_grad()
-    return seen
+    return seen, seen_outer
+
+
+def _exchange_numel(compression: str | None) -> tuple[int, int, int]:
+    """(elements on the device while a fragment's exchange is in flight with offload, elements its finish adds,
+    message bytes): complete, 4 workers, uncompressed: the pseudo-gradient, all-reduced in place (``delta``); int8
+    over a ring of 4: [x, anchor], this round's pair's two public copies, the scratch, and at the finish the staged
+    result; one message out, one in."""
+    if compression is None:
+        return NUMEL, 0, 0
+    payload = 2 * NUMEL
+    padded = math.ceil(payload / 256) * 256
+    return payload + 2 * payload + padded, payload, 2 * (padded + 4 * padded // 256)
 
 
 def _hand_count(topology: str, compression: str | None, offload: bool, step: int) -> dict[str, int]:
@@ -200,48 +216,56 @@ def _hand_count(topology: str, compression: str | None, offload: bool, step: int
     in_flight = (step - 1) // PERIOD % FRAGMENTS if step % PERIOD == PERIOD - DELAY else None
     outer_steps = step // PERIOD
     synced = [sum(1 for k in range(outer_steps) if k % FRAGMENTS == f) for f in range(FRAGMENTS)]
-    started = [synced[f] + (f == in_flight) for f in range(FRAGMENTS)]  # exchanges started so far
     n = NUMEL
     if compression is None:  # complete, 4 workers: the mean pseudo-gradient all-reduced (``delta``)
         payload, copies, scratch, messages = n, 0, 0, 0
-        comm = 0 if offload else n  # offload reduces in place
     else:  # int8, ring of 4: [x, anchor]; a pair's copies for each of the 2 rounds' pairs; one message out, one in
-        payload, comm = 2 * n, 0
+        payload = 2 * n
         padded = math.ceil(payload / 256) * 256
         copies, scratch, messages = 2 * 2 * payload, padded, 2 * (padded + 4 * padded // 256)
     device = host = 0
     for f in range(FRAGMENTS):
         momentum = n if synced[f] else 0  # the outer optimizer's, made at the fragment's first outer step
         if not offload:
+            comm = n if compression is None else 0  # the all-reduce's copy
             staged = payload if synced[f] else 0  # the engine's, made at the first finish
             device += ELEMENT * (payload + comm + staged + n + copies + scratch + momentum) + messages
             continue
         host += ELEMENT * (n + copies + momentum)
-        if f == in_flight:  # the payload, the anchors, this round's pair of copies and the momentum moved in
-            device += ELEMENT * (payload + n + copies // 2 + scratch + momentum) + messages
-        assert started[f] >= synced[f]
+        if f == in_flight:
+            numel, _, message_bytes = _exchange_numel(compression)
+            device += ELEMENT * numel + message_bytes
     return {"device": device, "host": host}
 
 
+PARTS = [WIDTH * WIDTH, WIDTH]  # a fragment's outer step with offload: the weight, then the bias (each over a quarter)
+
+
+def _hand_count_outer(compression: str | None, call: int) -> int:
+    """The device bytes after ``outer.step()`` call ``call`` (0, 1, ...) with offload: the fragment's exchange
+    buffers, finished, and the outer optimizer's state of that part of the fragment (its momentum)."""
+    numel, finish, message_bytes = _exchange_numel(compression)
+    return ELEMENT * (numel + finish + PARTS[call % len(PARTS)]) + message_bytes
+
+
 def _one_fragment_bound(compression: str | None) -> int:
-    """The most a fragment's exchange holds on the device with offload, at its outer step (its staged result too):
-    the bound of the acceptance, independent of the number of fragments."""
-    n = NUMEL
-    if compression is None:
-        return ELEMENT * (n + n + n + n)  # payload (reduced in place), staged, anchors, momentum
-    payload = 2 * n
-    padded = math.ceil(payload / 256) * 256
-    return ELEMENT * (payload + payload + n + 2 * payload + padded + n) + 2 * (padded + 4 * padded // 256)
+    """The most a fragment's exchange holds on the device with offload while the inner steps run: uncompressed over
+    ``complete``, one fragment (the acceptance's bound), independent of the number of fragments."""
+    numel, _, message_bytes = _exchange_numel(compression)
+    return ELEMENT * numel + message_bytes
 
 
 @pytest.mark.parametrize("topology, compression", [("ring", "int8"), ("complete", None)], ids=["int8-ring", "complete"])
 def test_the_device_holds_one_fragment_with_offload(topology: str, compression: str | None) -> None:
     """At every inner step: ``memory_bytes()`` equals the hand count (with offload and without), with offload the
     device holds at most one fragment's bound plus ``CONSTANT`` (and some steps hold it: an exchange is in flight),
-    without it, once every fragment has synced, at least F times the bound."""
+    without it, once every fragment has synced, at least F times the bound. During an outer step with offload: the
+    bound, the finish's staged result and the part of the fragment being stepped (its momentum), by hand."""
     bound = _one_fragment_bound(compression)
+    if compression is None:
+        assert bound == ELEMENT * NUMEL  # one fragment
     for offload in (True, False):
-        for seen in run_workers(_memory_run, 4, topology, compression, offload, "exact"):
+        for seen, seen_outer in run_workers(_memory_run, 4, topology, compression, offload, "exact"):
             assert len(seen) == MEMORY_STEPS
             for step, measured in enumerate(seen, start=1):
                 assert measured == _hand_count(topology, compression, offload, step), (offload, step)
@@ -251,12 +275,15 @@ def test_the_device_holds_one_fragment_with_offload(topology: str, compression: 
                     assert measured["device"] >= FRAGMENTS * bound and measured["host"] == 0
             if offload:
                 assert max(m["device"] for m in seen) > 0 and min(m["device"] for m in seen) == 0
+                assert len(seen_outer) == MEMORY_STEPS // PERIOD * len(PARTS)
+                assert [m["device"] for m in seen_outer] == [
+                    _hand_count_outer(compression, call) for call in range(len(seen_outer))]
 
 
 def test_a_front_that_keeps_the_buffers_breaks_the_bound() -> None:
     """The wrong variant (device buffers kept after the outer step, the host copies updated all the same) is caught
-    by the bound: by the end it holds every fragment's buffers (3.0x the bound, measured)."""
-    seen = run_workers(_memory_run, 4, "ring", "int8", True, "buffers_kept")[0]
+    by the bound: by the end it holds every fragment's buffers (3.6x the bound, measured)."""
+    seen = run_workers(_memory_run, 4, "ring", "int8", True, "buffers_kept")[0][0]
     assert max(m["device"] for m in seen) > _one_fragment_bound("int8") + CONSTANT
 
 
@@ -349,9 +376,9 @@ def _live_allocations() -> list[dict[str, Any]]:
 
 @gpu_test
 def test_offload_on_cuda(group_of_one: None) -> None:
-    """With offload the front's device bytes are the allocator's (within 64 KiB of block rounding), peak memory over
-    the plain loop's is at most one fragment's (payload, comm, staged, anchors, momentum: 5 fragments of parameters)
-    plus the outer step's temporaries (2 fragments), the run equals offload=False, and offload=False holds more.
+    """With offload the front's device bytes are the allocator's (within 64 KiB of block rounding), peak memory is at
+    most the plain loop's plus one fragment (the issue's target: the payload in flight through an inner step; 2 MiB
+    of the allocator's block rounding), the run equals offload=False, and offload=False holds more.
 
     Without offload the allocator's bytes follow the front's count at every step (a constant difference) below one
     fragment: two of four H200 runs held a constant 3.7 MiB more from the first step on (allocated outside the front
@@ -371,7 +398,7 @@ def test_offload_on_cuda(group_of_one: None) -> None:
             record(f"offload_on_cuda/uncounted/{run}", offsets=offsets, live=result["live"])
         assert max(offsets) - min(offsets) <= slack, (run, result["pairs"])
         assert 0 <= min(offsets) + slack and max(offsets) < (slack if run == "offload" else fragment), (run, offsets)
-    assert offloaded["peak"] <= plain["peak"] + 7 * fragment
+    assert offloaded["peak"] <= plain["peak"] + fragment + 2 * 2**20, (offloaded["peak"] - plain["peak"]) / fragment
     assert on_device["peak"] > plain["peak"] + 7 * fragment
 
 

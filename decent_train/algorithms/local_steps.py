@@ -41,7 +41,8 @@ from decent_train.algorithms.offload import (
     HostStore, OuterStateHome, check_offload, held_bytes_by_place, resolve_offload,
 )
 from decent_train.algorithms.outer_exchange import (
-    Fragment, InFlight, OuterExchange, OuterGroup, payload_kind, split_parameters,
+    Fragment, InFlight, OuterExchange, OuterGroup, ParameterRun, one_uniform_group, payload_kind,
+    split_parameters,
 )
 from decent_train.engine.compress import Compressor, check_consensus_step, make_compressor
 from decent_train.engine.ddp import check_engine_arguments
@@ -51,6 +52,8 @@ if TYPE_CHECKING:  # FSDP2's modules cost 0.6 s to import: only runs that shard 
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["DiLoCo", "LocalSGD", "check_local_steps_arguments"]
+
+OUTER_STEP_CHUNKS = 4  # offload: an outer step brings the optimizer's state in this many parts of its fragment
 
 
 def check_local_steps_arguments(sync_every: Any, fragments: Any, fragment_sync_delay: Any,
@@ -97,8 +100,10 @@ class DiLoCo:
     ``"int8"``, ``"bf16"`` or a compressor, applied to what an outer step sends.
 
     ``offload``: keep the anchors, the outer optimizer's state and the compressed public copies in (pinned) host
-    memory between outer steps, and device buffers only for the fragment whose exchange is in flight (offload.py):
-    the device holds at most one fragment's worth instead of 4x to ~15x the model. ``None`` (the default): on when
+    memory, and device buffers only for what the fragment whose exchange is in flight sends and receives
+    (offload.py): uncompressed over ``complete``, one fragment's payload instead of 4x the model (to ~15x for int8
+    over a ring); its outer step brings the outer optimizer's state in ``OUTER_STEP_CHUNKS`` parts, an
+    ``outer.step()`` each. ``None`` (the default): on when
     the parameters are on CUDA and an outer step comes less often than every inner step (per-step gossip would move
     its whole state every step); ``False`` keeps everything on the device, as small models may; ``True`` forces it
     (on the CPU the same code path copies host to host). The result is the same either way (tests/
@@ -167,7 +172,8 @@ class DiLoCo:
         self.offloaded = resolve_offload(offload, device) and (offload is not None or sync_every > 1)
         store = HostStore(device) if self.offloaded else None
         self.store = store
-        in_place = payload == "delta" and self.topology.world_size > 2  # an all-reduce of three or more: no pairs
+        world = self.topology.world_size
+        in_place = not fault_tolerant and world != 2 and (world == 1 or one_uniform_group(self.topology))
         self.fragments: list[Fragment] = []
         for params in parts:
             by_kind: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
@@ -275,7 +281,6 @@ class DiLoCo:
         if self.outer is not None and state["outer"] is not None:
             self.outer.load_state_dict(state["outer"])  # torch puts the state on the parameters' device
         if self.outer_home is not None:  # (a sharded model's comes from DCP, loaded before)
-            self.outer_home.prefetched.clear()
             self.outer_home.send_home([p for g in self.groups for p in g.owners])
         self.inner_steps, self.outer_steps = int(state["inner_steps"]), int(state["outer_steps"])
         for fragment, syncs in zip(self.fragments, state.get("fragment_syncs", [self.outer_steps])):
@@ -358,63 +363,82 @@ class DiLoCo:
             self.outer_step()
 
     def _start(self, fragment: Fragment) -> InFlight:
-        """Start ``fragment``'s exchange; offload: and its outer optimizer's state on its way to the device."""
+        """Start ``fragment``'s exchange (offload: its device buffers made now, and only its)."""
         if self.store is not None:  # one fragment in flight at a time: its exchange starts P − τ > 0 steps after the
             # previous one's outer step (τ < P), and ends at its own outer step
             assert not any(g.acquired for g in self.groups), "another fragment's exchange is still in flight"
-            if self.outer_home is not None:
-                self.outer_home.prefetch([p for g in fragment.groups for p in g.owners])
         return self.exchange.start(fragment)
 
     @torch.no_grad()
     def outer_step(self) -> None:
-        """Finish the exchange in flight (started now if none is) and take the fragment's outer step."""
+        """Finish the exchange in flight (started now if none is) and take the fragment's outer step, a part of the
+        fragment at a time (:meth:`_parts`)."""
         exchange = self._in_flight or self._start(self._next_fragment())
         self._in_flight = None
         mixed = self.exchange.finish(exchange)
         fragment = exchange.fragment
+        for part in self._parts(fragment, mixed):
+            params = [p for run in part for p in run.params]
+            local = [p.clone() for p in params] if self.alpha else None
+            self._apply(part)
+            if local is not None:
+                torch._foreach_lerp_(params, local, self.alpha)
         for group in fragment.groups:
-            group.acquire([])  # offload, resumed with the exchange's result: the anchors for the step
-        local = [[p.detach().clone() for p in g.params] for g in fragment.groups] if self.alpha else None
-        self._apply(fragment, mixed)
-        if local is not None:
-            for group, kept in zip(fragment.groups, local):
-                torch._foreach_lerp_([p.detach() for p in group.params], kept, self.alpha)
-        for group in fragment.groups:
-            group.release()  # offload: the anchors and public copies back to host memory, the buffers dropped
+            group.release()  # offload: the public copies back to host memory, the buffers dropped
         fragment.syncs += 1
         self.outer_steps += 1
 
-    def _apply(self, fragment: Fragment, mixed: list[Tensor]) -> None:
-        """x <- a with gradient g = a − W x (``delta``: the mixed Δ and the own anchor, equal on every worker), the
-        outer optimizer's step over this fragment alone, anchor <- x."""
-        gradients = []
+    def _parts(self, fragment: Fragment, mixed: list[Tensor]) -> list[list[ParameterRun]]:
+        """The fragment's parameters in the parts its outer step takes in turn: all at once; offload: parts of about
+        1 / ``OUTER_STEP_CHUNKS`` of the fragment's bytes (at least one tensor each), so that the outer optimizer's
+        state and the step's temporaries on the device are that part's, not the fragment's. Per-parameter optimizers
+        (torch's) give the same result either way; each part is one ``outer.step()`` call."""
+        budget = sum(p.nbytes for g in fragment.groups for p in g.params)
+        if self.store is not None:
+            budget = -(-budget // OUTER_STEP_CHUNKS)
+        parts: list[list[ParameterRun]] = [[]]
+        size = 0
         for group, value in zip(fragment.groups, mixed):
             first, second = group.views(value)
-            params = [p.detach() for p in group.params]
-            if group.payload == "delta":
-                torch._foreach_copy_(params, group.live_anchors)
-                gradients.append(first)
-            else:
-                torch._foreach_copy_(params, second)
-                torch._foreach_sub_(second, first)  # W anchor − W x, in place
-                gradients.append(second)
-        self._outer_step_over(fragment, gradients)
-        for group in fragment.groups:
-            torch._foreach_copy_(group.live_anchors, [p.detach() for p in group.params])
+            start = 0
+            for i, param in enumerate(group.params):
+                if size and size + param.nbytes > budget:
+                    if i > start:
+                        parts[-1].append(ParameterRun(group, slice(start, i), first[start:i], second[start:i]))
+                    parts.append([])
+                    size, start = 0, i
+                size += param.nbytes
+            parts[-1].append(ParameterRun(group, slice(start, None), first[start:], second[start:]))
+        return parts
 
-    def _outer_step_over(self, fragment: Fragment, gradients: list[list[Tensor]]) -> None:
-        """``outer.step()`` with ``gradients`` on the fragment's parameters and no gradient on the others (skipped by
-        torch's optimizers: their momentum stays); every parameter's own ``.grad`` is back afterwards."""
+    def _apply(self, part: list[ParameterRun]) -> None:
+        """x <- a with gradient g = a − W x (``delta``: the mixed Δ and the own anchor, equal on every worker), the
+        outer optimizer's step over these parameters alone, anchor <- x."""
+        gradients, owners = [], []
+        for run in part:
+            if run.group.payload == "delta":
+                run.group.anchors_into(run.params, run.which)
+                gradients += run.first
+            else:
+                torch._foreach_copy_(run.params, run.second)
+                torch._foreach_sub_(run.second, run.first)  # W anchor − W x, in place
+                gradients += run.second
+            owners += run.owners
+        self._outer_step_over(owners, gradients)
+        for run in part:
+            run.group.anchors_from(run.params, run.which)
+
+    def _outer_step_over(self, owners: list[nn.Parameter], gradients: list[Tensor]) -> None:
+        """``outer.step()`` with ``gradients`` on ``owners`` and no gradient on the other parameters (skipped by
+        torch's optimizers: their momentum stays); every parameter's own ``.grad`` is back afterwards. Offload: the
+        optimizer's state of ``owners`` comes to the device for the step and goes back."""
         assert self.outer is not None
         everything = [p for group in self.outer.param_groups for p in group["params"]]
         kept = [p.grad for p in everything]
         for p in everything:
             p.grad = None
-        for group, grads in zip(fragment.groups, gradients):
-            for p, g in zip(group.owners, grads):
-                p.grad = _gradient_for(p, g)
-        owners = [p for group in fragment.groups for p in group.owners]
+        for p, g in zip(owners, gradients):
+            p.grad = _gradient_for(p, g)
         if self.outer_home is not None:
             self.outer_home.bring_in(owners)
         self.outer.step()
@@ -445,6 +469,6 @@ class LocalSGD(DiLoCo):
                  **kwargs: Any):
         super().__init__(model, optimizer, None, sync_every, topology, **kwargs)
 
-    def _apply(self, fragment: Fragment, mixed: list[Tensor]) -> None:
-        for group, value in zip(fragment.groups, mixed):
-            torch._foreach_copy_([p.detach() for p in group.params], group.views(value)[0])
+    def _apply(self, part: list[ParameterRun]) -> None:
+        for run in part:
+            torch._foreach_copy_(run.params, run.first)

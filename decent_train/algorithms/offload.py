@@ -4,18 +4,20 @@ it moves.
 Why: kept on the device for the whole run, the anchors, the exchange buffers, CHOCO's public copies and the outer
 optimizer's momentum cost 4x to ~15x the model (audit R6): an OOM for exactly the large models DiLoCo is for.
 torchft keeps the anchors in pinned host memory. With ``offload`` the front's state lives in host memory (pinned
-where CUDA is present) between outer steps, and only the fragment whose exchange is in flight has device buffers:
-its payload, what it receives, and, moved in for its exchange and outer step and back afterwards, its anchors,
-public copies and outer-optimizer state. Streaming DiLoCo has one fragment in flight at a time, so the device holds
-at most one fragment's worth.
+where CUDA is present), and the device holds only what the fragment whose exchange is in flight sends and receives:
+its payload (and a receive buffer where a pair or compression needs one, and this round's public copies). The
+anchors go from host memory straight into the payload and, at the outer step, into the parameters; the outer
+optimizer's state comes in a part of a fragment at a time (local_steps.py, ``OUTER_STEP_CHUNKS``), is stepped and
+goes back. Streaming DiLoCo has one fragment in flight at a time, so while the inner steps run the device holds one
+fragment's payload, and at an outer step that plus a part of a fragment.
 
 How the copies stay off the critical path on a GPU: every copy runs on one side stream, ``non_blocking``. A copy in
-waits for the work already queued on the compute stream (the buffers it fills may be memory that work just freed)
-and the compute stream waits for it only where it uses the values (an event; the outer optimizer's state, prefetched
-when the exchange starts, only at the outer step). A copy out waits for the values' last writer and is recorded on
-the device tensors it reads (``record_stream``), so the caching allocator reuses them only once it finished, while the
-next inner steps run. Nothing waits on the host per fragment; the host waits for the last copy out only where it
-reads host memory itself (a checkpoint, the anchors' consensus). On the CPU the copies are plain copies.
+waits for the work already queued on the compute stream (the memory it fills may be what that work reads or just
+freed) and the compute stream waits for it (an event, not a host sync) before it reads the values. A copy out waits
+for the values' last writer and is recorded on the device tensors it reads (``record_stream``), so the caching
+allocator reuses them only once it finished, while the next inner steps run. Nothing waits on the host per
+fragment; the host waits for the last copy out only where it reads host memory itself (a checkpoint, the anchors'
+consensus). On the CPU the copies are plain copies.
 """
 
 from __future__ import annotations
@@ -64,37 +66,38 @@ class HostStore:
         self.copy_out(homes, working)
         return homes
 
-    def to_device(self, homes: list[Tensor], wait: bool = True) -> tuple[list[Tensor], Any]:
-        """Device copies of ``homes`` and the event they are ready at; with ``wait`` the compute stream waits for it
-        now (no host sync), else call :meth:`ready` before using them."""
+    def to_device(self, homes: list[Tensor]) -> list[Tensor]:
+        """Device copies of ``homes``, usable on the compute stream at once (it waits for their arrival)."""
         working = [torch.empty(h.shape, dtype=h.dtype, device=self.device) for h in homes]
+        self.copy_in(working, homes)
+        return working
+
+    def copy_in(self, working: list[Tensor], homes: list[Tensor]) -> None:
+        """``working`` (device tensors: fresh ones, the parameters, views of a payload) <- ``homes``, after the work
+        queued on the compute stream, which waits for the copies before what it queues next (no host sync)."""
         if self.stream is None:
             for w, h in zip(working, homes):
                 w.copy_(h)
-            return working, None
+            return
         compute = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(compute)  # the fresh blocks may be memory that queued compute work still uses
+        self.stream.wait_stream(compute)  # fresh blocks may be memory that queued work still uses; the parameters too
         with torch.cuda.stream(self.stream):
             for w, h in zip(working, homes):
                 w.copy_(h, non_blocking=True)
             arrived = torch.cuda.Event()
             arrived.record(self.stream)
-        if wait:
-            self.ready(arrived)
-        return working, arrived
+        compute.wait_event(arrived)
 
-    def ready(self, arrived: Any) -> None:
-        """The compute stream waits for a copy in (a stream dependency, not a host sync)."""
-        if arrived is not None:
-            torch.cuda.current_stream(self.device).wait_event(arrived)
-
-    def copy_out(self, homes: list[Tensor], working: list[Tensor]) -> None:
+    def copy_out(self, homes: list[Tensor], working: list[Tensor], snapshot: bool = False) -> None:
         """``homes`` <- ``working`` once the compute stream's queued work wrote them; the device tensors are not
-        reused before the copy finished (``record_stream``), so the caller may drop them at once."""
+        reused before the copy finished (``record_stream``), so the caller may drop them at once. ``snapshot``: the
+        compute stream writes ``working`` next (the parameters), so the copy reads a clone of them, freed as it ends."""
         if self.stream is None:
             for h, w in zip(homes, working):
                 h.copy_(w)
             return
+        if snapshot:
+            working = [w.clone() for w in working]
         compute = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):
@@ -115,29 +118,19 @@ class HostStore:
 class OuterStateHome:
     """The outer optimizer's per-parameter state in host memory between the outer steps of its parameters' fragment:
     ``home[p]``, the host copies of ``optimizer.state[p]``'s tensors on the parameters' device (a DTensor's local
-    shard; a state tensor the optimizer keeps on the CPU anyway, Adam's step count, stays as it is)."""
+    shard; a state tensor the optimizer keeps on the CPU anyway, Adam's step count, stays as it is). It comes to the
+    device for its parameters' step only (:meth:`bring_in`, :meth:`send_home`), not while their exchange runs."""
 
     store: HostStore
     optimizer: Optimizer
     home: dict[Tensor, dict[str, Tensor]] = field(default_factory=dict)
-    prefetched: dict[Tensor, dict[str, Tensor]] = field(default_factory=dict)
-    arrived: Any = None
-
-    def prefetch(self, params: list[Tensor]) -> None:
-        """Start copying ``params``' state to the device (it overlaps the inner steps until :meth:`bring_in`)."""
-        keys = [(p, k) for p in params for k in self.home.get(p, {})]
-        working, self.arrived = self.store.to_device([local_part(self.home[p][k]) for p, k in keys], wait=False)
-        for (p, k), local in zip(keys, working):
-            self.prefetched.setdefault(p, {})[k] = _like(self.home[p][k], local)
 
     def bring_in(self, params: list[Tensor]) -> None:
-        """``params``' state on the device in the optimizer, for its step (prefetched, or copied now)."""
-        if not all(p in self.prefetched for p in params if p in self.home):
-            self.prefetch([p for p in params if p not in self.prefetched])
-        self.store.ready(self.arrived)
-        for p in params:
-            self.optimizer.state[p].update(self.prefetched.pop(p, {}))
-        self.arrived = None
+        """``params``' state on the device in the optimizer, for its step."""
+        keys = [(p, k) for p in params for k in self.home.get(p, {})]
+        working = self.store.to_device([local_part(self.home[p][k]) for p, k in keys])
+        for (p, k), local in zip(keys, working):
+            self.optimizer.state[p][k] = _like(self.home[p][k], local)
 
     def send_home(self, params: list[Tensor]) -> None:
         """Copy ``params``' state on the device out to its host copies (made at the first step) and put the host
@@ -158,9 +151,8 @@ class OuterStateHome:
         self.store.copy_out(homes, working)
 
     def held(self) -> list[tuple[Tensor, bool]]:
-        """(tensor, at home) for the host copies and the prefetched device copies."""
-        return ([(local_part(t), True) for state in self.home.values() for t in state.values()]
-                + [(local_part(t), False) for state in self.prefetched.values() for t in state.values()])
+        """(tensor, at home) for the host copies."""
+        return [(local_part(t), True) for state in self.home.values() for t in state.values()]
 
 
 def _like(template: Tensor, local: Tensor) -> Tensor:

@@ -33,7 +33,8 @@ from decent_train.engine.exchange import MESSAGE_TAGS, ExchangeBuffers, Exchange
 from decent_train.engine.membership import Membership
 from decent_train.engine.topology import Edge, Topology
 
-__all__ = ["OuterGroup", "Fragment", "InFlight", "OuterExchange", "split_parameters", "payload_kind"]
+__all__ = ["OuterGroup", "ParameterRun", "Fragment", "InFlight", "OuterExchange", "split_parameters", "payload_kind",
+           "one_uniform_group"]
 
 PAYLOAD_COPIES = {"x": 1, "x+anchor": 2, "delta": 1}
 
@@ -42,11 +43,15 @@ def payload_kind(anchored: bool, topology: Topology, compressed: bool) -> str:
     """What an outer step sends (see the module): ``x``, ``x+anchor`` or ``delta``."""
     if not anchored:
         return "x"
-    everyone = all(
+    return "delta" if one_uniform_group(topology) and not compressed else "x+anchor"
+
+
+def one_uniform_group(topology: Topology) -> bool:
+    """Whether every round is one stage: all workers, weighted alike (an all-reduce's mean)."""
+    return all(
         len(stages) == 1 and stages[0].size == topology.world_size and stages[0].is_uniform
         for stages in (topology.edges(r) for r in range(topology.period))
     )
-    return "delta" if everyone and not compressed else "x+anchor"
 
 
 _LINGERING: dict[int, list[Tensor]] = {}  # OuterExchange.linger
@@ -58,10 +63,10 @@ class OuterGroup:
     local shards (FSDP2's DTensors).
 
     With a ``store`` (offload, offload.py) the anchors and public copies live in host memory and the device buffers
-    exist only between :meth:`acquire` (the exchange starts) and :meth:`release` (after the outer step): then
-    ``live_anchors`` and the round's copies are device copies of the host ones. ``reduce_in_place``: every round is
-    one uniform all-reduce of three or more workers (``delta``), so the payload is reduced in place, without a
-    ``comm`` copy (the engine's finish reads ``comm`` only: the sum)."""
+    exist only between :meth:`acquire` (the exchange starts) and :meth:`release` (after the outer step): then the
+    round's public copies are device copies of the host ones; the anchors stay at home (:meth:`fill` and the outer
+    step copy them straight to where they are used). ``reduce_in_place``: every round is one all-reduce of all
+    workers (not a pair's swap), or a worker alone, so the payload is reduced in place, without a ``comm`` buffer."""
 
     def __init__(self, index: int, params: list[Tensor], payload: str, owners: list[nn.Parameter] | None = None,
                  store: HostStore | None = None, reduce_in_place: bool = False):
@@ -79,7 +84,6 @@ class OuterGroup:
             self.flat = first.new_empty(0)
             self.buffers = ExchangeBuffers(index=index, flat=self.flat, comm=self.flat)
             self.anchors = store.to_host([p.detach() for p in params]) if payload != "x" else []
-        self.live_anchors = self.anchors  # the anchors the exchange and the outer step use (offload: on the device)
         self.home_copies: dict[Any, Any] = {}  # offload: the public copies in host memory, by group
         self.pinned: list[Tensor] = []  # views of what the exchange in flight posted (OuterExchange._post)
 
@@ -109,8 +113,8 @@ class OuterGroup:
             self.release()
 
     def acquire(self, keys: list[Any]) -> None:
-        """Offload: the device buffers of an exchange, and device copies of the anchors and of the public copies of
-        the groups ``keys`` (``CompressedGossip.key``s of this round's stages). Nothing without offload, or if held."""
+        """Offload: the device buffers of an exchange, and device copies of the public copies of the groups ``keys``
+        (``CompressedGossip.key``s of this round's stages). Nothing without offload, or if held."""
         store = self.store
         if store is None or self.acquired:
             return
@@ -121,12 +125,10 @@ class OuterGroup:
         compressed = self.buffers.compressed
         keys = [k for k in keys if k in self.home_copies]
         homes = [t for k in keys for t in (self.home_copies[k].own, self.home_copies[k].others)]
-        working, _ = store.to_device(list(self.anchors) + homes)
-        self.live_anchors = working[: len(self.anchors)]
         if compressed is None:
             self.buffers.comm = self.flat if self.reduce_in_place else torch.empty_like(self.flat)
             return
-        copies = working[len(self.anchors):]
+        copies = store.to_device(homes)
         for i, key in enumerate(keys):
             compressed.copies[key] = replace(self.home_copies[key], own=copies[2 * i], others=copies[2 * i + 1])
         compressed.scratch = self.flat.new_zeros(compressed.compressor.padded_numel(compressed.numel))
@@ -135,12 +137,13 @@ class OuterGroup:
                                for _ in range(self._slots)]
 
     def release(self) -> None:
-        """Offload: copy the anchors and the round's public copies back to host memory and drop the device buffers
-        (the copies out finish before their memory is reused: offload.py)."""
+        """Offload: copy the round's public copies back to host memory and drop the device buffers (the copies out
+        finish before their memory is reused: offload.py). The outer step has copied the anchors home already."""
         store = self.store
         if store is None or not self.acquired:
             return
-        homes, working = list(self.anchors), list(self.live_anchors)
+        homes: list[Tensor] = []
+        working: list[Tensor] = []
         compressed = self.buffers.compressed
         if compressed is not None:
             for key, home in self.home_copies.items():
@@ -167,7 +170,6 @@ class OuterGroup:
         if compressed is not None:
             compressed.scratch = compressed.outgoing = self.flat.new_empty(0)
             compressed.incoming = []
-        self.live_anchors = self.anchors
         self.acquired = False
 
     def held(self) -> list[tuple[Tensor, bool]]:
@@ -176,7 +178,6 @@ class OuterGroup:
         at_home = self.store is not None
         buffers, compressed = self.buffers, self.buffers.compressed
         held = [(a, at_home) for a in self.anchors]
-        held += [(a, False) for a in self.live_anchors if self.live_anchors is not self.anchors]
         held += [(t, False) for t in (buffers.flat, buffers.comm, buffers.staged, buffers.group_received)
                  if t is not None]
         if compressed is not None:
@@ -214,12 +215,29 @@ class OuterGroup:
         first, second = self.views(self.flat)
         params = [p.detach() for p in self.params]
         if self.payload == "delta":
-            torch._foreach_copy_(first, self.live_anchors)
+            self.anchors_into(first)
             torch._foreach_sub_(first, params)
             return
         torch._foreach_copy_(first, params)
         if second:
-            torch._foreach_copy_(second, self.live_anchors)
+            self.anchors_into(second)
+
+    def anchors_into(self, targets: list[Tensor], which: slice = slice(None)) -> None:
+        """``targets`` (device tensors) <- the anchors ``which`` (offload: straight from host memory)."""
+        anchors = self.anchors[which]
+        if self.store is not None:
+            self.store.copy_in(targets, anchors)
+        else:
+            torch._foreach_copy_(targets, anchors)
+
+    def anchors_from(self, sources: list[Tensor], which: slice = slice(None)) -> None:
+        """The anchors ``which`` <- ``sources`` (the parameters after an outer step; offload: copied out to host
+        memory from a snapshot, so the next inner steps may write the parameters at once)."""
+        anchors = self.anchors[which]
+        if self.store is not None:
+            self.store.copy_out(anchors, sources, snapshot=True)
+        else:
+            torch._foreach_copy_(anchors, sources)
 
     def views(self, flat: Tensor) -> tuple[list[Tensor], list[Tensor]]:
         """``flat``'s first part and its anchor part (``x+anchor`` only; else empty), shaped like the parameters."""
@@ -237,6 +255,25 @@ class OuterGroup:
         if compressed is not None:
             return compressed.compressor.message_bytes(numel)
         return numel * self.flat.element_size()
+
+
+@dataclass
+class ParameterRun:
+    """Consecutive parameters ``which`` of a group that an outer step updates together, with their views of the
+    mixed payload (``first``; ``second``: the mixed anchors of ``x+anchor``, else empty)."""
+
+    group: OuterGroup
+    which: slice
+    first: list[Tensor]
+    second: list[Tensor]
+
+    @property
+    def params(self) -> list[Tensor]:
+        return [p.detach() for p in self.group.params[self.which]]
+
+    @property
+    def owners(self) -> list[nn.Parameter]:
+        return self.group.owners[self.which]
 
 
 @dataclass
@@ -351,6 +388,8 @@ class OuterExchange:
         mixed = []
         for group, value, works in zip(exchange.fragment.groups, exchange.values, exchange.works):
             self._wait(group, works, value, round_, stages[overlapped])
+            if group.store is not None and len(stages) == 1 and stages[0].size == 2 and group.buffers.compressed is None:
+                group.buffers.staged = group.buffers.comm  # offload: a pair's result where it received (dropped after)
             value = self.exchanger.finish(group.buffers, stages[overlapped], value)
             for edge in stages[overlapped + 1 :]:
                 value = self._stage(group, edge, value, round_)

@@ -116,7 +116,8 @@ class Exchanger:
                     )
                 ]
             )
-        bucket.comm.copy_(value)
+        if bucket.comm is not value:  # (reduced in place: the value is the buffer)
+            bucket.comm.copy_(value)
         with unrecorded():
             return [dist.all_reduce(bucket.comm, group=edge.group, async_op=True)]
 
@@ -188,14 +189,17 @@ class Exchanger:
         return (0.0 if edge.is_uniform else edge.weight - neighbor), neighbor
 
     def finish(self, bucket: ExchangeBuffers, edge: Edge, value: Tensor) -> Tensor:
-        """A stage's result, into ``staged`` (the parameters themselves change only at the mix)."""
+        """A stage's result, into ``staged``, or reduced in place, ``value`` itself (the parameters themselves change
+        only at the mix)."""
         if edge.size == 1:
             return value
+        own, other = self.coefficients(edge)
+        if bucket.comm is value:  # a uniform group reduced in place (own = 0): the sum is the value's own memory
+            return value.mul_(other)
         out = bucket.staging()
         if bucket.compressed is not None:
             bucket.compressed.mix(value, out, edge, self.received(bucket, edge), self.consensus_step)
             return out
-        own, other = self.coefficients(edge)
         if value is out:
             out.mul_(own).add_(bucket.comm, alpha=other)
         else:
