@@ -11,7 +11,8 @@ cut into ``--fragments`` fragments synced in turn (``--sync-every`` H, ``--delay
 Per run, on rank 0:
 
 * ``memory_bytes()`` after every inner step: the most on the device and in host memory (the front's own accounting,
-  tests/test_local_steps_offload.py checks it against a hand count and, on CUDA, against the allocator);
+  tests/test_local_steps_offload.py checks it against a hand count and, on CUDA, against the allocator), and the
+  most on the device after any ``outer.step()`` call (a part of an outer step: its optimizer state is in);
 * CUDA: peak ``torch.cuda.max_memory_allocated()`` minus what was allocated before the front was built (the model,
   its gradients and AdamW's state), so the front's and the steps' own peak;
 * time per inner step (the device synchronized after each), the median of steps that take an outer step and of those
@@ -74,6 +75,8 @@ def run(args: argparse.Namespace, rank: int, device: torch.device, offload: bool
     front = DiLoCo(model, inner, outer, args.sync_every, args.topology, fragments=fragments,
                    fragment_sync_delay=args.delay, compression=args.compression, offload=offload)
     held: list[dict[str, int]] = []
+    in_outer: list[int] = []  # (a few microseconds, inside the timed steps that take an outer step)
+    outer.register_step_post_hook(lambda *_: in_outer.append(front.memory_bytes()["device"]))
     with_outer: list[float] = []
     without: list[float] = []
     with front:
@@ -91,6 +94,7 @@ def run(args: argparse.Namespace, rank: int, device: torch.device, offload: bool
         "model_mib": params / 2**20,
         "front_device_mib_max": max(h["device"] for h in held) / 2**20,
         "front_host_mib_max": max(h["host"] for h in held) / 2**20,
+        "front_device_mib_max_in_outer_step": max(in_outer, default=0) / 2**20,
         "peak_over_model_mib": (torch.cuda.max_memory_allocated() - baseline) / 2**20 if cuda else None,
         "inner_step_ms": statistics.median(without[1:] or without),  # the first step warms up
         "step_with_outer_ms": statistics.median(with_outer[1:] or with_outer),

@@ -116,6 +116,11 @@ def plan(out: Path, scratch: Path) -> list[Step]:
              "--json", str(scratch / f"overhead_{run}.json")],
             150 if run == "b256" else 75))
     steps.append(Step(
+        "offload", "scripts/bench_offload.py: Streaming DiLoCo (8 x Linear(4096), 4 fragments, H=8, τ=1) with its "
+        "outer state on the device and offloaded: the front's device bytes, peak memory over the model's, step times",
+        [PY, "scripts/bench_offload.py", "--device", "cuda", "--width", "4096", "--layers", "8",
+         "--out", str(scratch / "offload.json")], 90))
+    steps.append(Step(
         "cli-job", f"the default job through the command line on the GPU (launch=gpu, NCCL); fails below accuracy "
         f"{CLI_ACCURACY} or on a non-finite loss",
         [PY, "-m", "decent_train.launcher.cli", "launch=gpu", "logger.progress_bar=false", "logger.wandb.mode=disabled",
@@ -338,6 +343,22 @@ def memory_lines(measurements: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def offload_lines(result: dict[str, Any]) -> list[str]:
+    """scripts/bench_offload.py's medians, on the device against offloaded (reported; the memory targets are the
+    tests')."""
+    summary = result.get("summary") or {}
+    if not summary:
+        return ["(no result: see the offload step in gpu_check.log)"]
+    lines = ["| outer state | model | front on device, max | in an outer step | front in host memory | peak over the "
+             "model | inner step ms | step with an outer step ms |", "|---|---|---|---|---|---|---|---|"]
+    for run, m in summary.items():
+        lines.append(f"| {run} | {m['model_mib']:.0f} MiB | {m['front_device_mib_max']:.0f} MiB | "
+                     f"{m.get('front_device_mib_max_in_outer_step', 0):.0f} MiB | {m['front_host_mib_max']:.0f} MiB | "
+                     f"{m['peak_over_model_mib'] or 0:.0f} MiB | {m['inner_step_ms']:.2f} | "
+                     f"{m['step_with_outer_ms']:.2f} |")
+    return lines
+
+
 def write_summary(out: Path, steps: list[Step], env: dict[str, Any], smi: str, started: float, scratch: Path
                   ) -> tuple[bool, str]:
     tests = parse_junit(scratch / "junit.xml")
@@ -370,6 +391,8 @@ def write_summary(out: Path, steps: list[Step], env: dict[str, Any], smi: str, s
         *([] if overhead else ["(no results: see the overhead steps in gpu_check.log)"]), "",
         "## More than one process on one GPU (issue 37 part 5)", "", *one_gpu_lines(measurements), "",
         "## Peak device memory against a plain loop", "", *memory_lines(measurements), "",
+        "## Streaming DiLoCo's outer state: on the device and offloaded (scripts/bench_offload.py)", "",
+        *offload_lines(read_json(scratch / "offload.json")), "",
         "## The default job through the command line (launch=gpu)", "",
         "- " + ", ".join(f"{k} {v}" for k, v in cli.items()), "",
         f"## Tests (pytest -m gpu tests/): {tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} "
@@ -385,6 +408,7 @@ def write_summary(out: Path, steps: list[Step], env: dict[str, Any], smi: str, s
         "passed": ok, "failures": failures, "env": env, "nvidia_smi": smi, "budget_s": BUDGET_S,
         "steps": [dict(key=s.key, status=s.status, seconds=round(s.seconds, 1), command=s.command) for s in steps],
         "overhead": overhead, "overhead_bound": OVERHEAD_BOUND, "overhead_raw": runs, "cli_job": cli,
+        "offload": read_json(scratch / "offload.json").get("summary"),
         "tests": tests, "measurements": measurements,
     }, indent=2, default=str) + "\n")
     return ok, text

@@ -9,6 +9,7 @@
 #   [overhead-b256], [overhead-b64]  scripts/bench_overhead.py: engine vs a plain loop, GPT-2 small 8 x 1024 and
 #                                    ResNet-50 channels_last at batch 256 and 64, bf16; FAILS above 1.10x, reports
 #                                    the targets (1.03, 1.03, 1.05)
+#   [offload]  scripts/bench_offload.py: Streaming DiLoCo's outer state on the device and offloaded (reported)
 #   [cli-job]  the default job, `python -m decent_train.launcher.cli launch=gpu`: finite losses, accuracy >= 0.95
 #   [tests]    python -m pytest -m gpu tests/: every gpu-marked test, the fronts (DiLoCo, Streaming DiLoCo with int8
 #              on Triton, LocalSGD, FSDP2 + gossip) against their CPU replays, and 2-4 processes sharing the GPU

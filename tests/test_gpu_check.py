@@ -48,6 +48,10 @@ def _fake_run(scratch: Path, out: Path, ratios: dict[tuple[str, str], float], fa
         pairs = [(model, ratio) for (model, r), ratio in ratios.items() if r == run]
         (scratch / f"overhead_{run}.json").write_text(json.dumps(_bench(*pairs)))
     (scratch / "junit.xml").write_text(JUNIT.format(failure=FAILURE if failed_test else ""))
+    run = {"model_mib": 512.0, "front_device_mib_max": 128.0, "front_device_mib_max_in_outer_step": 160.0,
+           "front_host_mib_max": 1024.0, "peak_over_model_mib": 1100.0, "inner_step_ms": 10.5,
+           "step_with_outer_ms": 12.25}
+    (scratch / "offload.json").write_text(json.dumps({"summary": {"on device": run, "offload": run}}))
     job = scratch / "cli_job"
     job.mkdir()
     (job / "result.json").write_text(json.dumps({"eval/accuracy": accuracy, "steps": 1800, "world_size": 1}))
@@ -76,6 +80,9 @@ def test_a_run_where_everything_passed_passes(tmp_path: Path) -> None:
     assert summary["passed"] and summary["failures"] == []
     assert [o["target_met"] for o in summary["overhead"]] == [True, True, True]
     assert summary["tests"]["passed"] == 2 and summary["tests"]["skipped"] == 1  # the xfail counts as skipped
+    assert summary["offload"]["offload"]["front_device_mib_max_in_outer_step"] == 160.0
+    text = (tmp_path / "out" / "summary.md").read_text()
+    assert "| offload | 512 MiB | 128 MiB | 160 MiB | 1024 MiB | 1100 MiB | 10.50 | 12.25 |" in text
 
 
 @pytest.mark.parametrize("model, run, ratio, passes", [
@@ -149,7 +156,8 @@ def test_skip_mode_says_what_it_would_run(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "no CUDA GPU: skip mode" in proc.stdout
     planned = [f"[{s.key}]" for s in gpu_check.plan(tmp_path, tmp_path)] + ["[summary]"]
-    assert planned == ["[env]", "[overhead-b256]", "[overhead-b64]", "[cli-job]", "[tests]", "[summary]"]
+    assert planned == ["[env]", "[overhead-b256]", "[overhead-b64]", "[offload]", "[cli-job]", "[tests]",
+                       "[summary]"]
     for step in planned:
         assert step in proc.stdout, f"the plan does not name {step}"
     assert "bench_overhead.py" in proc.stdout and "-m gpu" in proc.stdout and "launch=gpu" in proc.stdout

@@ -388,8 +388,9 @@ class OuterExchange:
         mixed = []
         for group, value, works in zip(exchange.fragment.groups, exchange.values, exchange.works):
             self._wait(group, works, value, round_, stages[overlapped])
-            if group.store is not None and len(stages) == 1 and stages[0].size == 2 and group.buffers.compressed is None:
-                group.buffers.staged = group.buffers.comm  # offload: a pair's result where it received (dropped after)
+            pair_alone = len(stages) == 1 and stages[0].size == 2 and group.buffers.compressed is None
+            if group.store is not None and pair_alone:  # offload: a pair's result where it received (dropped after)
+                group.buffers.staged = group.buffers.comm
             value = self.exchanger.finish(group.buffers, stages[overlapped], value)
             for edge in stages[overlapped + 1 :]:
                 value = self._stage(group, edge, value, round_)
