@@ -40,7 +40,8 @@ class LocalSGDConfig(AlgorithmConfig):
     fragments: int = 1  # parts of the model synced at staggered steps (Streaming DiLoCo); 1: all at once
     fragment_sync_delay: int = 0  # inner steps between a fragment's exchange and its update
     # The outer state in pinned host memory between outer steps; null: when training on CUDA; false: on the device.
-    # (The outer state: anchors, outer momentum, compressed public copies; the fragment in flight is on the device.)
+    # (The outer state: anchors, outer momentum, compressed public copies; the device holds the fragment in flight's
+    # exchange buffers, and at its outer step a quarter of it at a time.)
     offload: Optional[bool] = None
 
     def __post_init__(self) -> None:
