@@ -53,7 +53,7 @@ if TYPE_CHECKING:  # FSDP2's modules cost 0.6 s to import: only runs that shard 
 
 __all__ = ["DiLoCo", "LocalSGD", "check_local_steps_arguments"]
 
-OUTER_STEP_CHUNKS = 4  # offload: an outer step brings the optimizer's state in this many parts of its fragment
+OUTER_STEP_PARTS = 4  # offload: an outer step brings the optimizer's state in this many parts of its fragment
 
 
 def check_local_steps_arguments(sync_every: Any, fragments: Any, fragment_sync_delay: Any,
@@ -102,12 +102,12 @@ class DiLoCo:
     ``offload``: keep the anchors, the outer optimizer's state and the compressed public copies in (pinned) host
     memory, and device buffers only for what the fragment whose exchange is in flight sends and receives
     (offload.py): uncompressed over ``complete``, one fragment's payload instead of 4x the model (to ~15x for int8
-    over a ring); its outer step brings the outer optimizer's state in ``OUTER_STEP_CHUNKS`` parts, an
-    ``outer.step()`` each. ``None`` (the default): on when
-    the parameters are on CUDA and an outer step comes less often than every inner step (per-step gossip would move
-    its whole state every step); ``False`` keeps everything on the device, as small models may; ``True`` forces it
-    (on the CPU the same code path copies host to host). The result is the same either way (tests/
-    test_local_steps_offload.py). :meth:`memory_bytes` says what the front holds where."""
+    over a ring); its outer step brings the outer optimizer's state in ``OUTER_STEP_PARTS`` parts, an
+    ``outer.step()`` each. ``None`` (the default): on when the parameters are on CUDA and an outer step comes less
+    often than every inner step (per-step gossip would move its whole state every step); ``False`` keeps everything
+    on the device, as small models may; ``True`` forces it (on the CPU the same code path copies host to host). The
+    result is the same either way (tests/test_local_steps_offload.py). :meth:`memory_bytes` says what the front holds
+    where."""
 
     anchored = True  # keeps anchors and steps an outer optimizer (LocalSGD does neither)
 
@@ -390,12 +390,12 @@ class DiLoCo:
 
     def _parts(self, fragment: Fragment, mixed: list[Tensor]) -> list[list[ParameterRun]]:
         """The fragment's parameters in the parts its outer step takes in turn: all at once; offload: parts of about
-        1 / ``OUTER_STEP_CHUNKS`` of the fragment's bytes (at least one tensor each), so that the outer optimizer's
+        1 / ``OUTER_STEP_PARTS`` of the fragment's bytes (at least one tensor each), so that the outer optimizer's
         state and the step's temporaries on the device are that part's, not the fragment's. Per-parameter optimizers
         (torch's) give the same result either way; each part is one ``outer.step()`` call."""
         budget = sum(p.nbytes for g in fragment.groups for p in g.params)
         if self.store is not None:
-            budget = -(-budget // OUTER_STEP_CHUNKS)
+            budget = -(-budget // OUTER_STEP_PARTS)
         parts: list[list[ParameterRun]] = [[]]
         size = 0
         for group, value in zip(fragment.groups, mixed):

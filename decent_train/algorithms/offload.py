@@ -7,7 +7,7 @@ torchft keeps the anchors in pinned host memory. With ``offload`` the front's st
 where CUDA is present), and the device holds only what the fragment whose exchange is in flight sends and receives:
 its payload (and a receive buffer where a pair or compression needs one, and this round's public copies). The
 anchors go from host memory straight into the payload and, at the outer step, into the parameters; the outer
-optimizer's state comes in a part of a fragment at a time (local_steps.py, ``OUTER_STEP_CHUNKS``), is stepped and
+optimizer's state comes in a part of a fragment at a time (local_steps.py, ``OUTER_STEP_PARTS``), is stepped and
 goes back. Streaming DiLoCo has one fragment in flight at a time, so while the inner steps run the device holds one
 fragment's payload, and at an outer step that plus a part of a fragment.
 
