@@ -38,7 +38,9 @@ class LocalSGDConfig(AlgorithmConfig):
     name: str = "localsgd"
     sync_every: int = 10  # inner steps per outer step (H)
     fragments: int = 1  # parts of the model synced at staggered steps (Streaming DiLoCo); 1: all at once
-    fragment_sync_delay: int = 0  # inner steps between a fragment's exchange and its update
+    # Inner steps between a fragment's exchange and its update. What those steps do to the fragment is replaced by
+    # the outer step's result (DiLoCo: unless fragment_update_alpha > 0 keeps a share of it).
+    fragment_sync_delay: int = 0
     # The outer state in pinned host memory between outer steps; null: when training on CUDA; false: on the device.
     # (The outer state: anchors, outer momentum, compressed public copies; the device holds the fragment in flight's
     # exchange buffers, and at its outer step a quarter of it at a time.)
@@ -71,7 +73,9 @@ class DiLoCoConfig(LocalSGDConfig):
     outer_lr: float = 0.2  # the outer optimizer's learning rate
     outer_momentum: float = 0.9  # the outer optimizer's momentum
     nesterov: bool = True  # Nesterov's momentum in the outer optimizer
-    fragment_update_alpha: float = 0.0  # a synced fragment keeps this share of its local parameters
+    # A synced fragment keeps this share of its local parameters; 0 (torchft's default) drops the progress of the
+    # fragment_sync_delay steps taken while its exchange ran (measured: 1.1 points lower, docs/algorithms.md).
+    fragment_update_alpha: float = 0.0
 
     def __post_init__(self) -> None:
         self._check(self.fragment_update_alpha)
