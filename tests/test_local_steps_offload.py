@@ -238,7 +238,7 @@ def _hand_count(topology: str, compression: str | None, offload: bool, step: int
     return {"device": device, "host": host}
 
 
-PARTS = [WIDTH * WIDTH, WIDTH]  # a fragment's outer step with offload: the weight, then the bias (each over a quarter)
+PARTS = [WIDTH * WIDTH, WIDTH]  # offload: the weight (over a quarter of the fragment) is a part, the bias another
 
 
 def _hand_count_outer(compression: str | None, call: int) -> int:
