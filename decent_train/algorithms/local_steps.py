@@ -172,8 +172,8 @@ class DiLoCo:
         self.offloaded = resolve_offload(offload, device) and (offload is not None or sync_every > 1)
         store = HostStore(device) if self.offloaded else None
         self.store = store
-        world = self.topology.world_size
-        in_place = not fault_tolerant and world != 2 and (world == 1 or one_uniform_group(self.topology))
+        # one all-reduce of all workers (a worker alone is one too), not a pair's swap: reduced in its own buffer
+        in_place = not fault_tolerant and self.topology.world_size != 2 and one_uniform_group(self.topology)
         self.fragments: list[Fragment] = []
         for params in parts:
             by_kind: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
