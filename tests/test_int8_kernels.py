@@ -79,6 +79,9 @@ def _side_by_side(rank: int, world_size: int, numel: int, dtype: torch.dtype, co
         compiled_xs[0].copy_(xs[0])
         compiled_xs[1].copy_(xs[1])
     assert not torch.equal(first, xs[0]), "the parameters move: a real test"
+    # The compiled loops read and write the parameters, the copies and the messages only: a pair that they encode and
+    # mix holds no scratch buffer (a bucket's worth less memory); the eager path made one at its first encode.
+    assert all(s.scratch is None for s in compiled) and all(s.scratch is not None for s in eager)
 
 
 def test_kernels_compile_only_where_they_pay(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -229,7 +229,8 @@ def _hand_count(topology: str, compression: str | None, offload: bool, step: int
         if not offload:
             comm = n if compression is None else 0  # the all-reduce's copy
             staged = payload if synced[f] else 0  # the engine's, made at the first finish
-            device += ELEMENT * (payload + comm + staged + n + copies + scratch + momentum) + messages
+            started = scratch if synced[f] or f == in_flight else 0  # made at the fragment's first encode
+            device += ELEMENT * (payload + comm + staged + n + copies + started + momentum) + messages
             continue
         host += ELEMENT * (n + copies + momentum)
         if f == in_flight:

@@ -19,7 +19,7 @@ from torch import Tensor
 from decent_train.algorithms.local_steps import DiLoCo, LocalSGD
 from decent_train.algorithms.step_gossip import Gossip
 from tests.distributed import run_workers
-from tests.test_sharded_gossip import Net, _batch, _loss, _optimizer
+from tests.test_sharded_gossip import D_IN, HIDDEN, Net, _batch, _loss, _optimizer
 
 STEPS, SYNC_EVERY = 10, 4  # ends between outer steps: the replicas differ
 TOLERANCE = 1e-10
@@ -94,3 +94,64 @@ def test_sharded_replicas_equal_whole_model_workers(kind: str) -> None:
             assert mine.shape == rows.shape and (mine - rows).abs().max().item() <= TOLERANCE
     first, second = (w["params"] for w in whole)
     assert max((first[n] - second[n]).abs().max().item() for n in first) > 1e-4  # gossip: replicas differ
+
+
+def _moving(rank: int, world_size: int, move: bool) -> dict[str, Tensor]:
+    """2 replicas of 1 shard, Streaming DiLoCo (2 fragments, an exchange in flight for one step before each outer
+    step); with ``move``, every third step gives every local shard new storage with the same values
+    (``module._apply(clone)``: what ``model.cpu(); model.cuda()`` does on a GPU), once while an exchange is in flight."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("replicate", "shard"))
+    model = Net(seed=rank)
+    for block in (model.first, model.norm, model.second):
+        fully_shard(block, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    inner = _optimizer(model.parameters())
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    with DiLoCo(model, inner, outer, SYNC_EVERY, "ring", fragments=2, fragment_sync_delay=1, mesh=mesh,
+                local_world_size=world_size) as front:
+        for s in range(STEPS):
+            _loss(model, *_batch(rank, s)).backward()
+            inner.step()
+            inner.zero_grad()
+            if move and s % 3 == 0:  # steps 1, 4, 7, 10: after step 1 fragment 0's exchange is in flight
+                model._apply(lambda t: t.clone())
+        assert front.outer_steps == STEPS // (SYNC_EVERY // 2)
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+def test_the_front_follows_shards_that_moved() -> None:
+    """Audit R9: FSDP2 gives a local shard new storage when the module is moved or cast (``model.cpu()`` and back),
+    and the front must then exchange and update the new tensors. Moved every third step, the run equals the same run
+    unmoved (itself equal to whole-model workers, above). A front that kept the shards it captured at construction
+    (``OuterGroup.follow_params`` returning at once) missed the outer steps' updates: 0.33 away."""
+    moved, still = run_workers(_moving, 2, True), run_workers(_moving, 2, False)
+    for rank, (mine, want) in enumerate(zip(moved, still)):
+        deviation = max((mine[n] - want[n]).abs().max().item() for n in want)
+        assert deviation <= TOLERANCE, f"rank {rank}: {deviation:.3g} from the run whose shards stayed in place"
+
+
+def _cast(rank: int, world_size: int) -> str:
+    model = Net(seed=0)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)  # stateless: it steps the cast parameters as they are
+    outer = torch.optim.SGD(model.parameters(), lr=0.7)
+    with DiLoCo(model, inner, outer, 2, "complete"):
+        _loss(model, *_batch(rank, 0)).backward()
+        inner.step()
+        model.float()
+        try:
+            inner.step()  # (the gradients were cast too) the second step is an outer step
+        except ValueError as error:
+            return str(error)
+    return "no error"
+
+
+def test_a_parameter_cast_after_the_front_was_built_is_refused() -> None:
+    """``model.float()`` after DiLoCo was built over a float64 model: the next outer step refuses in one line naming
+    the parameter, instead of copying float32 parameters into float64 buffers and anchors."""
+    (message,) = run_workers(_cast, 1)
+    layout = f"({HIDDEN}, {D_IN}) on cpu"
+    assert message.startswith(f"parameter 'first.weight' is now torch.float32 {layout}, was torch.float64 {layout}"), message
+    assert "\n" not in message

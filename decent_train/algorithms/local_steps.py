@@ -175,12 +175,13 @@ class DiLoCo:
         # one all-reduce of all workers (a worker alone is one too), not a pair's swap: reduced in its own buffer
         in_place = not fault_tolerant and self.topology.world_size != 2 and one_uniform_group(self.topology)
         self.fragments: list[Fragment] = []
+        names = {id(p): name for name, p in named}
         for params in parts:
             by_kind: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
             for p in params:
                 by_kind.setdefault((p.dtype, p.device), []).append(p)
             first = sum(len(f.groups) for f in self.fragments)  # exchange buffers are numbered across fragments
-            groups = [OuterGroup(first + i, [local_part(p) for p in ps], payload, owners=ps, store=store,
+            groups = [OuterGroup(first + i, ps, payload, names=[names[id(p)] for p in ps], store=store,
                                  reduce_in_place=in_place)
                       for i, ps in enumerate(by_kind.values())]
             self.fragments.append(Fragment(groups))
@@ -375,8 +376,10 @@ class DiLoCo:
         fragment at a time (:meth:`_parts`)."""
         exchange = self._in_flight or self._start(self._next_fragment())
         self._in_flight = None
-        mixed = self.exchange.finish(exchange)
         fragment = exchange.fragment
+        for group in fragment.groups:
+            group.follow_params()  # (the model's storage may have moved since the exchange started)
+        mixed = self.exchange.finish(exchange)
         for part in self._parts(fragment, mixed):
             params = [p for run in part for p in run.params]
             local = [p.clone() for p in params] if self.alpha else None

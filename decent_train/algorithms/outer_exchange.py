@@ -30,7 +30,7 @@ from decent_train.components.metrics import gossip_bytes_per_step
 from decent_train.engine.comm import CommWaits, PairPoster, first_line, peers_must_answer
 from decent_train.engine.compress import CompressedGossip, Compressor
 from decent_train.engine.exchange import MESSAGE_TAGS, ExchangeBuffers, Exchanger, PeerMessages
-from decent_train.engine.membership import Membership
+from decent_train.engine.membership import Membership, local_part
 from decent_train.engine.topology import Edge, Topology
 
 __all__ = ["OuterGroup", "ParameterRun", "Fragment", "InFlight", "OuterExchange", "split_parameters", "payload_kind",
@@ -57,6 +57,13 @@ def one_uniform_group(topology: Topology) -> bool:
 _LINGERING: dict[int, list[Tensor]] = {}  # OuterExchange.linger
 
 
+def _held_now(owner: Tensor) -> Tensor:
+    """What this rank holds of ``owner`` now, cheaply: a DTensor's local tensor (``to_local()`` is an autograd call,
+    one per tensor), else the parameter itself."""
+    local = getattr(owner, "_local_tensor", None)
+    return local if local is not None else local_part(owner)
+
+
 class OuterGroup:
     """A fragment's parameters of one dtype and device: their anchors and the exchange buffer of the payload.
     ``params`` are what this rank holds of ``owners``, the model's parameters: the parameters themselves, or their
@@ -68,10 +75,13 @@ class OuterGroup:
     step copy them straight to where they are used). ``reduce_in_place``: every round is one all-reduce of all
     workers (not a pair's swap), or a worker alone, so the payload is reduced in place, without a ``comm`` buffer."""
 
-    def __init__(self, index: int, params: list[Tensor], payload: str, owners: list[nn.Parameter] | None = None,
+    def __init__(self, index: int, owners: list[nn.Parameter], payload: str, names: list[str] | None = None,
                  store: HostStore | None = None, reduce_in_place: bool = False):
-        self.params, self.payload, self.store = params, payload, store
-        self.owners = owners if owners is not None else params
+        self.owners, self.payload, self.store = owners, payload, store
+        self.names = names if names is not None else [f"parameter {i}" for i in range(len(owners))]
+        self.params = params = [local_part(o) for o in owners]
+        self._layout = [(p.shape, p.dtype, p.device) for p in params]
+        self._storage = [p.data_ptr() for p in params]
         self.numel = sum(p.numel() for p in params)
         self.reduce_in_place = reduce_in_place and store is not None
         first = params[0]
@@ -86,6 +96,24 @@ class OuterGroup:
             self.anchors = store.to_host([p.detach() for p in params]) if payload != "x" else []
         self.home_copies: dict[Any, Any] = {}  # offload: the public copies in host memory, by group
         self.pinned: list[Tensor] = []  # views of what the exchange in flight posted (OuterExchange._post)
+
+    def follow_params(self) -> None:
+        """Capture the parameters' local shards again if their storage moved (audit R9): FSDP2 keeps a DTensor's
+        local tensor in place through its own resets and in-place loads, but ``load_state_dict(assign=True)`` gives
+        it new storage, and the front would then read and write tensors the model no longer uses. Called as an
+        exchange starts and at the outer step; checking costs one pointer per parameter. A parameter whose shape,
+        dtype or device changed (``model.double()``, ``model.cuda()`` after the front was built) is refused: the
+        front's buffers and anchors are laid out for what it was."""
+        if all(_held_now(o).data_ptr() == at for o, at in zip(self.owners, self._storage)):
+            return
+        now = [local_part(o) for o in self.owners]
+        for name, p, (shape, dtype, device) in zip(self.names, now, self._layout):
+            if (p.shape, p.dtype, p.device) != (shape, dtype, device):
+                raise ValueError(
+                    f"parameter '{name}' is now {p.dtype} {tuple(p.shape)} on {p.device}, was {dtype} {tuple(shape)} "
+                    f"on {device} when the front was built: build it after the model's last .to() or cast")
+        self.params = now
+        self._storage = [p.data_ptr() for p in now]
 
     def compress(self, compressor: Compressor, groups: list[Edge]) -> None:
         """Send compressed differences to public copies, which start at this payload (equal on every worker)."""
@@ -131,7 +159,7 @@ class OuterGroup:
         copies = store.to_device(homes)
         for i, key in enumerate(keys):
             compressed.copies[key] = replace(self.home_copies[key], own=copies[2 * i], others=copies[2 * i + 1])
-        compressed.scratch = self.flat.new_zeros(compressed.compressor.padded_numel(compressed.numel))
+        compressed.scratch = None  # made at its first use (none for int8's compiled kernels over a pair)
         compressed.outgoing = self.flat.new_zeros(self._message_numel, dtype=torch.uint8)
         compressed.incoming = [self.flat.new_zeros(self._message_numel, dtype=torch.uint8)
                                for _ in range(self._slots)]
@@ -168,7 +196,7 @@ class OuterGroup:
         self.buffers.staged = self.buffers.group_received = None
         compressed = self.buffers.compressed
         if compressed is not None:
-            compressed.scratch = compressed.outgoing = self.flat.new_empty(0)
+            compressed.scratch, compressed.outgoing = None, self.flat.new_empty(0)
             compressed.incoming = []
         self.acquired = False
 
@@ -181,7 +209,8 @@ class OuterGroup:
         held += [(t, False) for t in (buffers.flat, buffers.comm, buffers.staged, buffers.group_received)
                  if t is not None]
         if compressed is not None:
-            held += [(t, False) for t in (compressed.scratch, compressed.outgoing, *compressed.incoming)]
+            held += [(t, False) for t in (compressed.scratch, compressed.outgoing, *compressed.incoming)
+                     if t is not None]
             for key, copies in compressed.copies.items():
                 home = self.home_copies.get(key)
                 held += [(copies.own, copies is home), (copies.others, copies is home)]
@@ -369,6 +398,7 @@ class OuterExchange:
         stages, overlapped = self.topology.edges(round_), self.topology.async_stage(round_)
         values, works = [], []
         for group in fragment.groups:
+            group.follow_params()
             group.acquire([CompressedGossip.key(edge) for edge in stages if edge.size > 1])  # offload: on the device
             group.fill()
             group.pinned = []  # the previous exchange's works were waited on (and let go of) long ago

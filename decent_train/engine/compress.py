@@ -21,7 +21,8 @@ hierarchical node's stage) keeps one pair of copies, updated whenever it meets.
 
 Memory per bucket: two copies per distinct group of the period that the worker is in (ring: 2 pairs, 4 copies;
 one-peer-exp on n workers: 2 log2(n); complete and ring-3: 2; hierarchical: 2 per pair round + 2 for the node), plus
-one scratch buffer and the messages; no float buffer to receive into (the engine allocates none when compressing).
+one scratch buffer (none where int8's compiled kernels encode and a pair's mix: int8_kernels.py) and the
+messages; no float buffer to receive into (the engine allocates none when compressing).
 ``copy_dtype=torch.bfloat16`` halves the pairs' copies: both ends round x̂ + D(q) to bfloat16 with the same operation
 on the same values, so the copies stay bit-identical and the mean exact; but a copy then follows x only to bfloat16's
 precision (2^-9 relative), which bounds how close the workers get (the consensus distance stalls near 2^-9 |x|
@@ -184,7 +185,7 @@ class CompressedGossip:
 
     compressor: Compressor
     numel: int
-    scratch: Tensor
+    scratch: Tensor | None  # made at its first use (:meth:`_scratch`): int8's compiled kernels need none for a pair
     outgoing: Tensor
     incoming: list[Tensor]  # a pair's: one; a group of m: m (an all-gather's outputs, this worker's included)
     copies: dict[tuple[tuple[int, ...], float], _GroupCopies] = field(default_factory=dict)  # by CompressedGossip.key
@@ -208,7 +209,7 @@ class CompressedGossip:
         return cls(
             compressor,
             numel,
-            scratch=torch.zeros(compressor.padded_numel(numel), dtype=flat.dtype, device=flat.device),
+            scratch=None,
             outgoing=torch.zeros(message, dtype=torch.uint8, device=flat.device),
             incoming=[torch.zeros(message, dtype=torch.uint8, device=flat.device) for _ in range(slots)],
             copies={cls.key(edge): _GroupCopies.for_edge(flat, edge, copy_dtype) for edge in groups},
@@ -232,12 +233,13 @@ class CompressedGossip:
         if self.kernels is not None:
             self.kernels.encode_(x, copies.own, *self._int8_message(self.outgoing))
             return self.outgoing
-        difference = self.scratch[: self.numel]
+        scratch = self._scratch(x)
+        difference = scratch[: self.numel]
         if copies.own.dtype == x.dtype:
             torch.sub(x, copies.own, out=difference)
         else:  # the same values: a CPU subtracts a bfloat16 copy 10x slower than it widens it first
             torch.sub(x, difference.copy_(copies.own), out=difference)
-        self.compressor.encode_(self.scratch, self.outgoing)
+        self.compressor.encode_(scratch, self.outgoing)
         copies.own.add_(difference)
         return self.outgoing
 
@@ -249,9 +251,10 @@ class CompressedGossip:
             self.kernels.mix_pair_(x, out, copies.own, copies.others, *self._int8_message(received[0]),
                                    step * copies.pull, step * (1.0 - copies.own_weight))
             return
-        difference = self.scratch[: self.numel]
+        scratch = self._scratch(x)
+        difference = scratch[: self.numel]
         for message in received:
-            self.compressor.decode(message, self.scratch)
+            self.compressor.decode(message, scratch)
             if copies.track == 1.0:  # a pair's: no scaling (2x faster into a bfloat16 copy on a CPU)
                 copies.others.add_(difference)
             else:
@@ -259,10 +262,17 @@ class CompressedGossip:
         torch.add(x, copies.others, alpha=step * copies.pull, out=out)
         out.add_(copies.own, alpha=-step * (1.0 - copies.own_weight))
 
+    def _scratch(self, x: Tensor) -> Tensor:
+        """The padded buffer the eager paths encode and decode in, like ``x`` (its tail beyond ``numel`` stays
+        zero); made when first needed, so a bucket that int8's compiled kernels encode and mix (a pair's) has none."""
+        if self.scratch is None or self.scratch.numel() == 0:
+            self.scratch = x.new_zeros(self.compressor.padded_numel(self.numel))
+        return self.scratch
+
     def _int8_message(self, message: Tensor) -> tuple[Tensor, Tensor]:
         """An int8 message's levels (rows of a block) and float32 scales."""
         assert isinstance(self.compressor, Int8Compressor)
-        return self.compressor.split(message, self.scratch.numel())
+        return self.compressor.split(message, self.compressor.padded_numel(self.numel))
 
     def state(self) -> dict[str, Any]:
         """The copies, and the messages received (an exchange in flight is mixed in at the next step)."""
