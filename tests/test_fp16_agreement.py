@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from loguru import logger
 
 from decent_train.engine import DecentralizedDataParallel
 from decent_train.engine.steps import BucketSteps
@@ -30,7 +31,8 @@ def _agree(rank: int, world_size: int, inf_on: int | None, empty_on: int) -> dic
     ddp = DecentralizedDataParallel(model, lambda ps: torch.optim.SGD([p for _, p in ps], lr=0.1), scaler=scaler,
                                     bucket_size_in_mb=0, topology="complete")
     steps = BucketSteps(scaler, 0.0)
-    flags, grads, scales = [], [], []
+    flags, grads, scales, said = [], [], [], []
+    sink = logger.add(lambda message: said.append(message.record["message"]), level="INFO")
     for step in range(2):
         if rank != empty_on:
             x = torch.ones(3, 4) * (float("inf") if rank == inf_on and step == 0 else 1.0)
@@ -47,7 +49,8 @@ def _agree(rank: int, world_size: int, inf_on: int | None, empty_on: int) -> dic
         for bucket in ddp._buckets:
             bucket.optimizer.zero_grad(set_to_none=True)
         steps.end_step()
-    return {"flags": flags, "grads": grads, "scales": [*scales, scaler.get_scale()]}
+    logger.remove(sink)
+    return {"flags": flags, "grads": grads, "scales": [*scales, scaler.get_scale()], "said": said}
 
 
 @pytest.mark.parametrize("world_size,inf_on,empty_on", [(2, 0, 1), (2, None, 1), (3, 2, 0), (3, None, 1)])
@@ -56,6 +59,9 @@ def test_a_rank_without_gradients_still_agrees_on_overflow(world_size: int, inf_
     expected = [inf_on is not None, False]  # step 0 overflows on every rank if any rank's gradient is infinite
     for rank, result in enumerate(results):
         assert result["flags"] == expected, f"rank {rank}: {result['flags']}"
+        # the cost is said once (audit R10), not at every step
+        barrier = [line for line in result["said"] if "fp16 loss scaling agrees on overflow" in line]
+        assert len(barrier) == 1 and f"across all {world_size} workers" in barrier[0], result["said"]
         # GradScaler.update read the agreed flag: the scale halves after an overflow on any rank, on every rank
         halved = SCALE / 2 if inf_on is not None else SCALE
         assert result["scales"] == [SCALE, halved, halved], f"rank {rank}: {result['scales']}"

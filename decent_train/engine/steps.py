@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from loguru import logger
 
 from decent_train.engine.buckets import Bucket
 from decent_train.engine.comm import peers_must_answer, run_collective
@@ -26,6 +27,7 @@ class BucketSteps:
         self.scaled = scaler is not None and scaler.is_enabled()
         self.deferred = self.grad_clip_norm > 0 or self.scaled
         self.overflow = False  # fp16: an inf/nan gradient on some worker at this step (read once per step)
+        self._said_barrier = False
 
     def prepare(self, buckets: list[Bucket], members: Membership, step: int) -> None:
         """Unscale, agree on overflow across all workers, and clip by the whole model's gradient norm.
@@ -50,6 +52,7 @@ class BucketSteps:
                     found = [overflow.new_zeros(())]
                     self.scaler._found_inf_per_device(buckets[0].optimizer)[overflow.device] = found[0]
             if members.world_size > 1:
+                self._say_barrier(members.world_size)
                 with peers_must_answer(f"the overflow check at step {step}", members.timeout):
                     run_collective(dist.all_reduce, overflow, op=dist.ReduceOp.MAX, group=members.exchange_group)
             for t in found:
@@ -58,6 +61,14 @@ class BucketSteps:
         if self.grad_clip_norm > 0:
             grads = [p for b in buckets for p in b.params if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(grads, self.grad_clip_norm)
+
+    def _say_barrier(self, world_size: int) -> None:
+        """Once: what fp16's agreement costs (audit R10), which gossip otherwise avoids."""
+        if not self._said_barrier:
+            self._said_barrier = True
+            logger.info(f"DecentralizedDataParallel: fp16 loss scaling agrees on overflow across all {world_size} "
+                        "workers every step (an all-reduce and a host sync after backward): no bucket steps during "
+                        "backward and every step waits for the slowest worker; bf16 needs no loss scaling")
 
     def step(self, bucket: Bucket) -> None:
         """The bucket's optimizer and scheduler step; with fp16 loss scaling, unless a gradient overflowed on some
