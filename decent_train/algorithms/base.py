@@ -96,6 +96,12 @@ class Algorithm(ABC):
         """Seconds spent so far blocked on peers, or None when the algorithm cannot tell them from compute."""
         return None
 
+    def late_buckets(self) -> int | None:
+        """Buckets so far whose update could have overlapped backward but waited for its end (the engine updates
+        buckets strictly in order: a late gradient holds back the later ones); None where nothing updates in
+        backward."""
+        return None
+
     def info(self) -> dict[str, Any]:
         """Facts logged once at the start of the run (layouts, topology)."""
         return {}

@@ -102,6 +102,9 @@ class Decentralized(Algorithm):
     def comm_wait_seconds(self) -> float | None:
         return self.engine.comm_wait_seconds
 
+    def late_buckets(self) -> int | None:
+        return self.engine.late_buckets
+
     def bytes_per_step(self) -> float:
         if self.engine.topology is None:
             return allreduce_bytes_per_step(dist.get_world_size(), sum(self.engine.bucket_bytes))

@@ -176,10 +176,8 @@ class DecentralizedDataParallel(nn.Module):
             grad_clip_norm, bucket_size_in_mb, timeout, global_avg_every, message_size_in_mb, consensus_step
         )
         if public_copy_dtype is not None and (compression is None or not public_copy_dtype.is_floating_point):
-            raise ValueError(
-                f"public_copy_dtype={public_copy_dtype} needs compression and a floating-point dtype (e.g. "
-                "torch.bfloat16)"
-            )
+            raise ValueError(f"public_copy_dtype={public_copy_dtype} needs compression and a floating-point dtype "
+                             "(e.g. torch.bfloat16)")
         self._compressor = make_compressor(compression)
         self._public_copy_dtype = public_copy_dtype
         self._consensus_step = float(consensus_step)
@@ -219,10 +217,8 @@ class DecentralizedDataParallel(nn.Module):
                               point_to_point=fault_tolerant)
         messages = max((len(exchanger.pieces(b.flat)) for b in self._buckets), default=0)
         if messages > MESSAGE_TAGS:
-            raise ValueError(
-                f"message_size_in_mb={message_size_in_mb} splits a bucket into {messages} messages, more than "
-                f"{MESSAGE_TAGS}; use larger messages"
-            )
+            raise ValueError(f"message_size_in_mb={message_size_in_mb} splits a bucket into {messages} messages, "
+                             f"more than {MESSAGE_TAGS}; use larger messages")
         self._context = ModeContext(
             self._members, exchanger, CommWaits(self._members.timeout), BucketSteps(scaler, grad_clip_norm),
             self._progress, param_as_bucket_view, fault_tolerant=fault_tolerant,
@@ -276,6 +272,11 @@ class DecentralizedDataParallel(nn.Module):
         """Seconds computation stalled waiting for exchanges so far: the host's wait on CPU, the stream's on a GPU
         (read between steps: on a GPU it waits for the timing events recorded so far)."""
         return self._context.waits.seconds
+
+    @property
+    def late_buckets(self) -> int:
+        """Buckets so far whose update waited for the end of backward behind an earlier one's late gradient (R12)."""
+        return self._readiness.late_buckets
 
     def _state_tensors(self) -> list[tuple[str, Tensor]]:
         return list(self.module.named_parameters()) + list(self.module.named_buffers())
@@ -353,7 +354,7 @@ class DecentralizedDataParallel(nn.Module):
         mode, steps = self._mode, self._context.steps
         if self._updates is not None:
             self._updates.drain()
-        self._readiness.end_of_backward()
+        self._readiness.end_of_backward(mode.updates_in_backward and not steps.deferred)
         for bucket in self._buckets[self._next_bucket :]:
             self._on_bucket_ready(bucket, ended=True)
         for bucket in self._buckets:  # in launch order: each updates while the later buckets' sums are in flight

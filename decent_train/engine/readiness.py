@@ -8,6 +8,11 @@ is new, or was accumulated into since the training forward: its version moved). 
 (its gradients came in another order, or some never came) is done at the end of backward, as the per-parameter
 path does with unused parameters, and the next backward learns the order again; after ``RELEARN_LIMIT`` such
 changes the parameters keep their own hooks (a graph whose order keeps changing).
+
+Buckets update strictly in index order, so a gradient that arrives last in backward (a tied or reused weight used
+early in forward, a branch unused on a step) holds back every later bucket to the end of backward. The completion
+order (one entry per bucket, not per parameter) shows it at the end of backward: ``late_buckets`` counts those
+buckets, and the first time it happens a warning names the parameter that held them back.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ class GradientReadiness:
         self._before: list[list[tuple[Tensor | None, int]]] = []  # bucket mode: each gradient at the forward
         self._fired: set[int] = set()  # bucket mode: buckets whose hook fired in this backward
         self._reorder = False  # bucket mode: gradients came in another order in this backward
+        self._completed: list[int] = []  # the buckets complete in this backward, in the order they completed
+        self.late_buckets = 0  # buckets so far whose gradients came in backward but whose update waited for its end
+        self._warned = False
         self._install()
 
     def _install(self) -> None:
@@ -80,6 +88,8 @@ class GradientReadiness:
             self._arrived.add(id(param))
             self._last[bucket.index] = param
             bucket.ready += 1
+            if bucket.complete:
+                self._completed.append(bucket.index)
             return bucket.complete
         if bucket.index in self._fired:
             raise RuntimeError(
@@ -89,6 +99,7 @@ class GradientReadiness:
         self._fired.add(bucket.index)
         if self._all_new(bucket):
             bucket.ready = len(bucket.params)
+            self._completed.append(bucket.index)
         return bucket.complete
 
     def _all_new(self, bucket: Bucket) -> bool:
@@ -99,11 +110,58 @@ class GradientReadiness:
                 return False
         return True
 
-    def end_of_backward(self) -> None:
+    def _missing(self, bucket: Bucket) -> list[str]:
+        """Names of ``bucket``'s parameters without a gradient from this backward so far (end of backward only)."""
+        if self.per_parameter:
+            return [n for n, p in zip(bucket.names, bucket.params) if id(p) not in self._arrived]
+        before = self._before[bucket.index] if self._before else [(None, 0)] * len(bucket.params)
+        return [n for n, p, (grad, version) in zip(bucket.names, bucket.params, before)
+                if p.grad is None or (p.grad is grad and p.grad._version == version)]
+
+    def end_of_backward(self, updates_in_backward: bool) -> None:
         """Backward has ended, before the buckets left are done (bucket mode): a bucket whose check failed but whose
-        gradients have all come by now came in another order, so the next backward learns the order again."""
+        gradients have all come by now came in another order, so the next backward learns the order again. When buckets
+        ``updates_in_backward`` (no deferred steps), those that waited for the end are counted (:meth:`_count_late`)."""
+        if updates_in_backward:
+            self._count_late()
         if not self.per_parameter:
             self._reorder = any(not b.complete and self._all_new(b) for b in self.buckets)
+
+    def _count_late(self) -> None:
+        """The buckets that waited for the end of backward although their own gradients came before it: those after
+        the first bucket that completed last (the very end of backward) or not at all (done at the end). Those before
+        it were released earlier; that bucket itself could not have gone earlier. A shorter wait in the middle of
+        backward is not counted. Warns once, naming the parameter that came last (or not) in that first bucket."""
+        position = {index: n for n, index in enumerate(self._completed)}
+        last = len(self._completed) - 1
+        blocker: Bucket | None = None
+        late: list[int] = []
+        for bucket in self.buckets:
+            at = position.get(bucket.index)  # None: not complete in this backward
+            if blocker is None:
+                if at is None or at == last:
+                    blocker = bucket
+            elif at is not None and at < last:
+                late.append(bucket.index)
+        self.late_buckets += len(late)
+        if not late or self._warned or blocker is None:
+            return
+        if position.get(blocker.index) is not None:
+            param = self._last[blocker.index]
+            names = [n for n, p in zip(blocker.names, blocker.params) if p is param]
+            came = "got its gradient last in backward"
+        else:
+            names, came = self._missing(blocker), "got no gradient in this backward"
+        if not names:  # bucket mode, gradients in another order: the next backward relearns and names it
+            return
+        self._warned = True
+        more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+        logger.warning(
+            f"DecentralizedDataParallel: parameter '{names[0]}'{more} of bucket {blocker.index} {came}, so "
+            f"{len(late)} later buckets (from {late[0]}), whose gradients had all come, stepped and launched only at "
+            "the end of backward (lost overlap). A tied or reused weight, or a branch not used every step: register "
+            "it first in the model so that it lands in the last bucket, or accept the loss."
+        )
 
     def finish(self) -> None:
         """After every bucket's update: reset, and choose the hooks of the next backward."""
@@ -111,6 +169,7 @@ class GradientReadiness:
             bucket.ready = 0
         self._arrived.clear()
         self._fired.clear()
+        self._completed.clear()
         self._before = []
         reorder, self._reorder = self._reorder, False
         if self.per_parameter and self.relearned <= RELEARN_LIMIT:

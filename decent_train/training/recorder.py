@@ -48,6 +48,7 @@ class Recorder:
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # on the device: no host sync per step
         self.first_bad_step = torch.zeros((), dtype=torch.int64, device=device)  # the first NaN/inf loss's; 0: none
         self.micro_batches, self.data_seconds, self.comm_start = 0, 0.0, algo.comm_wait_seconds() or 0.0
+        self.late_start = algo.late_buckets() or 0
         self.window_start = self.train_start = time.perf_counter()
         self.train_seconds = 0.0  # summed over the windows: without evaluations and checkpoints
         self.last: dict[str, Any] = {}  # the latest record; empty until this run records
@@ -105,17 +106,18 @@ class Recorder:
         now = time.perf_counter()
         elapsed = now - self.window_start
         comm_seconds = (algo.comm_wait_seconds() or 0.0) - self.comm_start
+        late_buckets = (algo.late_buckets() or 0) - self.late_start
         stats = gather(  # one row per worker
             [self.loss_sum, self.micro_batches, elapsed, self.data_seconds, comm_seconds, peak_memory_bytes(device),
              algo.bytes_per_step(), self.params_bytes,
-             held_bytes(optimizer_state_tensors(algo.optimizers()))],
+             held_bytes(optimizer_state_tensors(algo.optimizers())), late_buckets],
             device,
         )
         # The record's own cost (the gather above, the consensus all-reduce, the sinks) is training time: it counts in
         # the next window, so throughput shows what measuring costs.
         self.window_start = now
         self.train_seconds += elapsed
-        loss_total, micro_total, elapsed_w, data_w, comm_w, memory_w, bytes_w, params_w, optim_w = stats.T
+        loss_total, micro_total, elapsed_w, data_w, comm_w, memory_w, bytes_w, params_w, optim_w, late_w = stats.T
         trained = micro_total > 0  # all but a worker that joined at this step (live membership)
         steps_in_window = micro_total.max().item() / cfg.accum_steps
         per_worker_loss = loss_total[trained] / micro_total[trained]
@@ -151,6 +153,8 @@ class Recorder:
             record["throughput/tokens_per_s"] = record["throughput/samples_per_s"] * cfg.dataset.context_length
         if algo.comm_wait_seconds() is not None:
             record["time/comm_wait_ms"] = 1000 * comm_w.mean().item() / steps_in_window
+        if algo.late_buckets() is not None:  # buckets held to the end of backward by a late gradient (ddp.py's order)
+            record["engine/late_buckets_per_step"] = late_w.mean().item() / steps_in_window
         record.update(algo.metrics())
         if self._consensus_now(step):
             record["consensus/distance"], record["consensus/relative"] = self.consensus.measure()
@@ -167,6 +171,7 @@ class Recorder:
         )
         self.loss_sum.zero_()
         self.micro_batches, self.data_seconds, self.comm_start = 0, 0.0, self.job.algo.comm_wait_seconds() or 0.0
+        self.late_start = self.job.algo.late_buckets() or 0
 
     def close(self) -> None:
         self.bar.close()
