@@ -16,7 +16,9 @@ Per run, on rank 0:
 * CUDA: peak ``torch.cuda.max_memory_allocated()`` minus what was allocated before the front was built (the model,
   its gradients and AdamW's state), so the front's and the steps' own peak;
 * time per inner step (the device synchronized after each), the median of steps that take an outer step and of those
-  that do not: their difference is what an outer step costs (on the CPU, offload's copies are host to host).
+  that do not: their difference is what an outer step costs (on the CPU, offload's copies are host to host);
+* then ``--steps`` more steps timed together, the device synchronized once at their end (``steady_step_ms``: the
+  mean): what training sees, with offload's side-stream copies free to overlap the next inner steps.
 
 On CUDA only one worker runs (NCCL takes one GPU per rank); on the CPU ``--workers`` gloo processes.
 """
@@ -87,6 +89,12 @@ def run(args: argparse.Namespace, rank: int, device: torch.device, offload: bool
                 torch.cuda.synchronize()
             (with_outer if front.outer_steps > before else without).append(1000 * (time.perf_counter() - start))
             held.append(front.memory_bytes())  # after the step's hooks, outside its time
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+        steady = 1000 * (time.perf_counter() - start) / args.steps
     front.host_state_ready()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return {
@@ -98,6 +106,7 @@ def run(args: argparse.Namespace, rank: int, device: torch.device, offload: bool
         "peak_over_model_mib": (torch.cuda.max_memory_allocated() - baseline) / 2**20 if cuda else None,
         "inner_step_ms": statistics.median(without[1:] or without),  # the first step warms up
         "step_with_outer_ms": statistics.median(with_outer[1:] or with_outer),
+        "steady_step_ms": steady,
     }
 
 

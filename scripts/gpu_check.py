@@ -350,12 +350,14 @@ def offload_lines(result: dict[str, Any]) -> list[str]:
     if not summary:
         return ["(no result: see the offload step in gpu_check.log)"]
     lines = ["| outer state | model | front on device, max | in an outer step | front in host memory | peak over the "
-             "model | inner step ms | step with an outer step ms |", "|---|---|---|---|---|---|---|---|"]
+             "model | inner step ms | step with an outer step ms | step ms, unsynchronized |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for run, m in summary.items():
+        steady = m.get("steady_step_ms")
         lines.append(f"| {run} | {m['model_mib']:.0f} MiB | {m['front_device_mib_max']:.0f} MiB | "
                      f"{m.get('front_device_mib_max_in_outer_step', 0):.0f} MiB | {m['front_host_mib_max']:.0f} MiB | "
                      f"{m['peak_over_model_mib'] or 0:.0f} MiB | {m['inner_step_ms']:.2f} | "
-                     f"{m['step_with_outer_ms']:.2f} |")
+                     f"{m['step_with_outer_ms']:.2f} | {'-' if steady is None else f'{steady:.2f}'} |")
     return lines
 
 

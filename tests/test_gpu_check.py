@@ -50,7 +50,7 @@ def _fake_run(scratch: Path, out: Path, ratios: dict[tuple[str, str], float], fa
     (scratch / "junit.xml").write_text(JUNIT.format(failure=FAILURE if failed_test else ""))
     run = {"model_mib": 512.0, "front_device_mib_max": 128.0, "front_device_mib_max_in_outer_step": 160.0,
            "front_host_mib_max": 1024.0, "peak_over_model_mib": 1100.0, "inner_step_ms": 10.5,
-           "step_with_outer_ms": 12.25}
+           "step_with_outer_ms": 12.25, "steady_step_ms": 6.75}
     (scratch / "offload.json").write_text(json.dumps({"summary": {"on device": run, "offload": run}}))
     job = scratch / "cli_job"
     job.mkdir()
@@ -82,7 +82,7 @@ def test_a_run_where_everything_passed_passes(tmp_path: Path) -> None:
     assert summary["tests"]["passed"] == 2 and summary["tests"]["skipped"] == 1  # the xfail counts as skipped
     assert summary["offload"]["offload"]["front_device_mib_max_in_outer_step"] == 160.0
     text = (tmp_path / "out" / "summary.md").read_text()
-    assert "| offload | 512 MiB | 128 MiB | 160 MiB | 1024 MiB | 1100 MiB | 10.50 | 12.25 |" in text
+    assert "| offload | 512 MiB | 128 MiB | 160 MiB | 1024 MiB | 1100 MiB | 10.50 | 12.25 | 6.75 |" in text
 
 
 @pytest.mark.parametrize("model, run, ratio, passes", [
