@@ -99,11 +99,11 @@ class OuterGroup:
 
     def follow_params(self) -> None:
         """Capture the parameters' local shards again if their storage moved (audit R9): FSDP2 keeps a DTensor's
-        local tensor in place through its own resets and in-place loads, but ``load_state_dict(assign=True)`` gives
-        it new storage, and the front would then read and write tensors the model no longer uses. Called as an
-        exchange starts and at the outer step; checking costs one pointer per parameter. A parameter whose shape,
-        dtype or device changed (``model.double()``, ``model.cuda()`` after the front was built) is refused: the
-        front's buffers and anchors are laid out for what it was."""
+        local tensor in place through its own resets and in-place loads, but a module moved or cast in place
+        (``model.cpu()`` and back: ``Module._apply``) gives it new storage, and the front would then read and write
+        tensors the model no longer uses. Called as an exchange starts and at the outer step; checking costs one
+        pointer per parameter. A parameter whose shape, dtype or device changed (``model.double()``, ``model.cuda()``
+        after the front was built) is refused: the front's buffers and anchors are laid out for what it was."""
         if all(_held_now(o).data_ptr() == at for o, at in zip(self.owners, self._storage)):
             return
         now = [local_part(o) for o in self.owners]

@@ -265,7 +265,7 @@ class CompressedGossip:
     def _scratch(self, x: Tensor) -> Tensor:
         """The padded buffer the eager paths encode and decode in, like ``x`` (its tail beyond ``numel`` stays
         zero); made when first needed, so a bucket that int8's compiled kernels encode and mix (a pair's) has none."""
-        if self.scratch is None or self.scratch.numel() == 0:
+        if self.scratch is None:
             self.scratch = x.new_zeros(self.compressor.padded_numel(self.numel))
         return self.scratch
 
