@@ -99,6 +99,10 @@ CASES = {  # name: (kind, topology, options, steps, the replay that applies)
     "streaming-localsgd": ("localsgd", "one-peer-exp", STREAMING, 18, "streaming"),
     "int8-ring": ("diloco", "ring", {"sync_every": 5, "compression": "int8"}, 20, None),
     "streaming-int8-ring": ("diloco", "ring", {**STREAMING, "compression": "int8"}, 18, None),
+    "int8-complete": ("diloco", "complete", {"sync_every": 5, "compression": "int8"}, 20, None),  # a group's mix
+    # two stages a round: the pairs' before the overlapped one (mixed as the exchange starts), then the nodes'
+    "int8-hierarchical": ("diloco", "hierarchical", {"sync_every": 5, "compression": "int8", "local_world_size": 2},
+                          20, None),
 }
 
 
@@ -201,13 +205,13 @@ def _memory_run(rank: int, world_size: int, topology: str, compression: str | No
 def _exchange_numel(compression: str | None) -> tuple[int, int, int]:
     """(elements on the device while a fragment's exchange is in flight with offload, elements its finish adds,
     message bytes): complete, 4 workers, uncompressed: the pseudo-gradient, all-reduced in place (``delta``); int8
-    over a ring of 4: [x, anchor], this round's pair's two public copies, the scratch, and at the finish the staged
-    result; one message out, one in."""
+    over a ring of 4: [x, anchor], this worker's public copy for this round's pair and the scratch, and at the finish
+    the peer's copy (brought in to mix its message) and the staged result; one message out, one in."""
     if compression is None:
         return NUMEL, 0, 0
     payload = 2 * NUMEL
     padded = math.ceil(payload / 256) * 256
-    return payload + 2 * payload + padded, payload, 2 * (padded + 4 * padded // 256)
+    return payload + payload + padded, payload + payload, 2 * (padded + 4 * padded // 256)
 
 
 def _hand_count(topology: str, compression: str | None, offload: bool, step: int) -> dict[str, int]:

@@ -5,7 +5,8 @@ Why: kept on the device for the whole run, the anchors, the exchange buffers, CH
 optimizer's momentum cost 4x to ~15x the model (audit R6): an OOM for exactly the large models DiLoCo is for.
 torchft keeps the anchors in pinned host memory. With ``offload`` the front's state lives in host memory (pinned
 where CUDA is present), and the device holds only what the fragment whose exchange is in flight sends and receives:
-its payload (and a receive buffer where a pair or compression needs one, and this round's public copies). The
+its payload (and a receive buffer where a pair or compression needs one, and this worker's public copies for the
+round; the peers' copies come in when their messages are mixed, at the outer step). The
 anchors go from host memory straight into the payload and, at the outer step, into the parameters; the outer
 optimizer's state comes in a part of a fragment at a time (local_steps.py, ``OUTER_STEP_PARTS``), is stepped and
 goes back. Streaming DiLoCo has one fragment in flight at a time, so while the inner steps run the device holds one

@@ -70,9 +70,10 @@ class OuterGroup:
     local shards (FSDP2's DTensors).
 
     With a ``store`` (offload, offload.py) the anchors and public copies live in host memory and the device buffers
-    exist only between :meth:`acquire` (the exchange starts) and :meth:`release` (after the outer step): then the
-    round's public copies are device copies of the host ones; the anchors stay at home (:meth:`fill` and the outer
-    step copy them straight to where they are used). ``reduce_in_place``: every round is one all-reduce of all
+    exist only between :meth:`acquire` (the exchange starts) and :meth:`release` (after the outer step): then this
+    worker's public copies of the round's groups are device copies of the host ones, and the others' copies follow
+    when their messages are mixed in; the anchors stay at home (:meth:`fill` and the outer step copy them straight
+    to where they are used). ``reduce_in_place``: every round is one all-reduce of all
     workers (not a pair's swap), or a worker alone, so the payload is reduced in place, without a ``comm`` buffer."""
 
     def __init__(self, index: int, owners: list[nn.Parameter], payload: str, names: list[str] | None = None,
@@ -135,14 +136,16 @@ class OuterGroup:
         """The public copies to the payload now; every worker must hold the same (at the start, or after an averaged
         resume)."""
         if self.buffers.compressed is not None:
-            self.acquire(list(self.home_copies))
+            self.acquire(list(self.home_copies), others=True)
             self.fill()
             self.buffers.compressed.reset(self.flat)
             self.release()
 
-    def acquire(self, keys: list[Any]) -> None:
-        """Offload: the device buffers of an exchange, and device copies of the public copies of the groups ``keys``
-        (``CompressedGossip.key``s of this round's stages). Nothing without offload, or if held."""
+    def acquire(self, keys: list[Any], others: bool = False) -> None:
+        """Offload: the device buffers of an exchange, and device copies of this worker's public copies (``own``)
+        of the groups ``keys`` (``CompressedGossip.key``s of this round's stages), which the encode reads as the
+        exchange starts; the ``others`` come in only where their messages are mixed (:meth:`bring_in_others`), or
+        here with ``others``. Nothing without offload, or if held."""
         store = self.store
         if store is None or self.acquired:
             return
@@ -151,18 +154,31 @@ class OuterGroup:
                                 device=self.flat.device)
         self.buffers.flat = self.flat
         compressed = self.buffers.compressed
-        keys = [k for k in keys if k in self.home_copies]
-        homes = [t for k in keys for t in (self.home_copies[k].own, self.home_copies[k].others)]
         if compressed is None:
             self.buffers.comm = self.flat if self.reduce_in_place else torch.empty_like(self.flat)
             return
-        copies = store.to_device(homes)
-        for i, key in enumerate(keys):
-            compressed.copies[key] = replace(self.home_copies[key], own=copies[2 * i], others=copies[2 * i + 1])
+        keys = [k for k in keys if k in self.home_copies]
+        names = ("own", "others") if others else ("own",)
+        copies = iter(store.to_device([getattr(self.home_copies[k], name) for k in keys for name in names]))
+        for key in keys:
+            compressed.copies[key] = replace(self.home_copies[key], **{name: next(copies) for name in names})
         compressed.scratch = None  # made at its first use (none for int8's compiled kernels over a pair)
         compressed.outgoing = self.flat.new_zeros(self._message_numel, dtype=torch.uint8)
         compressed.incoming = [self.flat.new_zeros(self._message_numel, dtype=torch.uint8)
                                for _ in range(self._slots)]
+
+    def bring_in_others(self, edge: Edge) -> None:
+        """Offload: a device copy of the ``others`` of ``edge``'s group, as its messages are about to be mixed in
+        (nothing reads it before: while an exchange is in flight the device holds this worker's copy alone)."""
+        compressed = self.buffers.compressed
+        if self.store is None or compressed is None or not self.acquired or edge.size == 1:
+            return
+        key = CompressedGossip.key(edge)
+        current, home = compressed.copies.get(key), self.home_copies.get(key)
+        if current is None or home is None or current.others is not home.others:
+            return
+        (others,) = self.store.to_device([home.others])
+        compressed.copies[key] = replace(current, others=others)
 
     def release(self) -> None:
         """Offload: copy the round's public copies back to host memory and drop the device buffers (the copies out
@@ -176,10 +192,11 @@ class OuterGroup:
         if compressed is not None:
             for key, home in self.home_copies.items():
                 current = compressed.copies[key]
-                if current is not home:
-                    homes += [home.own, home.others]
-                    working += [current.own, current.others]
-                    compressed.copies[key] = home
+                for at_home, on_device in ((home.own, current.own), (home.others, current.others)):
+                    if on_device is not at_home:
+                        homes.append(at_home)
+                        working.append(on_device)
+                compressed.copies[key] = home
         store.copy_out(homes, working)
         self._drop_device_buffers()
 
@@ -213,9 +230,10 @@ class OuterGroup:
                      if t is not None]
             for key, copies in compressed.copies.items():
                 home = self.home_copies.get(key)
-                held += [(copies.own, copies is home), (copies.others, copies is home)]
-            held += [(t, True) for key, home in self.home_copies.items() if compressed.copies[key] is not home
-                     for t in (home.own, home.others)]
+                homes = (home.own, home.others) if home is not None else ()
+                working = (copies.own, copies.others)
+                held += [(t, any(t is h for h in homes)) for t in working]
+                held += [(h, True) for h in homes if not any(h is t for t in working)]
         return held
 
     def copies_state(self) -> dict[str, Any] | None:
@@ -421,6 +439,7 @@ class OuterExchange:
             pair_alone = len(stages) == 1 and stages[0].size == 2 and group.buffers.compressed is None
             if group.store is not None and pair_alone:  # offload: a pair's result where it received (dropped after)
                 group.buffers.staged = group.buffers.comm
+            group.bring_in_others(stages[overlapped])
             value = self.exchanger.finish(group.buffers, stages[overlapped], value)
             for edge in stages[overlapped + 1 :]:
                 value = self._stage(group, edge, value, round_)
@@ -455,6 +474,7 @@ class OuterExchange:
     def _stage(self, group: OuterGroup, edge: Edge, value: Tensor, round_: int) -> Tensor:
         works = self._post(group, edge, value)
         self._wait(group, works, value, round_, edge)
+        group.bring_in_others(edge)
         return self.exchanger.finish(group.buffers, edge, value)
 
     def _wait(self, group: OuterGroup, works: list[Any], value: Tensor, round_: int, edge: Edge) -> None:
