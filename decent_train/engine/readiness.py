@@ -17,7 +17,7 @@ buckets, and the first time it happens a warning names the parameter that held t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from loguru import logger
@@ -102,21 +102,23 @@ class GradientReadiness:
             self._completed.append(bucket.index)
         return bucket.complete
 
-    def _all_new(self, bucket: Bucket) -> bool:
+    def _stale(self, bucket: Bucket) -> Iterator[int]:
+        """Bucket mode: the positions of ``bucket``'s parameters whose gradient is not new since the training forward
+        (none yet, or the same tensor at the same version)."""
         before = self._before[bucket.index] if self._before else [(None, 0)] * len(bucket.params)
-        for p, (grad, version) in zip(bucket.params, before):
+        for i, (p, (grad, version)) in enumerate(zip(bucket.params, before)):
             now = p.grad
             if now is None or (now is grad and now._version == version):
-                return False
-        return True
+                yield i
+
+    def _all_new(self, bucket: Bucket) -> bool:
+        return next(self._stale(bucket), None) is None
 
     def _missing(self, bucket: Bucket) -> list[str]:
         """Names of ``bucket``'s parameters without a gradient from this backward so far (end of backward only)."""
         if self.per_parameter:
             return [n for n, p in zip(bucket.names, bucket.params) if id(p) not in self._arrived]
-        before = self._before[bucket.index] if self._before else [(None, 0)] * len(bucket.params)
-        return [n for n, p, (grad, version) in zip(bucket.names, bucket.params, before)
-                if p.grad is None or (p.grad is grad and p.grad._version == version)]
+        return [bucket.names[i] for i in self._stale(bucket)]
 
     def end_of_backward(self, updates_in_backward: bool) -> None:
         """Backward has ended, before the buckets left are done (bucket mode): a bucket whose check failed but whose
