@@ -57,13 +57,6 @@ def one_uniform_group(topology: Topology) -> bool:
 _LINGERING: dict[int, list[Tensor]] = {}  # OuterExchange.linger
 
 
-def _held_now(owner: Tensor) -> Tensor:
-    """What this rank holds of ``owner`` now, cheaply: a DTensor's local tensor (``to_local()`` is an autograd call,
-    one per tensor), else the parameter itself."""
-    local = getattr(owner, "_local_tensor", None)
-    return local if local is not None else local_part(owner)
-
-
 class OuterGroup:
     """A fragment's parameters of one dtype and device: their anchors and the exchange buffer of the payload.
     ``params`` are what this rank holds of ``owners``, the model's parameters: the parameters themselves, or their
@@ -105,7 +98,7 @@ class OuterGroup:
         tensors the model no longer uses. Called as an exchange starts and at the outer step; checking costs one
         pointer per parameter. A parameter whose shape, dtype or device changed (``model.double()``, ``model.cuda()``
         after the front was built) is refused: the front's buffers and anchors are laid out for what it was."""
-        if all(_held_now(o).data_ptr() == at for o, at in zip(self.owners, self._storage)):
+        if all(local_part(o).data_ptr() == at for o, at in zip(self.owners, self._storage)):
             return
         now = [local_part(o) for o in self.owners]
         for name, p, (shape, dtype, device) in zip(self.names, now, self._layout):

@@ -27,9 +27,14 @@ TopologySpec = str | Topology | type[Topology]
 
 def local_part(tensor: Tensor) -> Tensor:
     """What of ``tensor`` this rank holds: a DTensor's local shard, detached (FSDP2's parameters; a view, so writing
-    it writes the parameter), else the tensor itself."""
-    local = getattr(tensor, "to_local", None)
-    return local().detach() if local is not None else tensor
+    it writes the parameter), else the tensor itself. The shard is read from the DTensor's ``_local_tensor`` where it
+    has one: ``to_local()`` is an autograd call per tensor, and the local-steps fronts check every shard at each
+    exchange (outer_exchange.py, ``follow_params``)."""
+    local = getattr(tensor, "_local_tensor", None)
+    if local is not None:
+        return local.detach()
+    to_local = getattr(tensor, "to_local", None)
+    return to_local().detach() if to_local is not None else tensor
 
 
 class Membership:
