@@ -50,12 +50,18 @@ def _cfg(nnodes: int | str, nproc: int = 2, detect_s: float = DETECT_S, **extra:
 class FakeAgent:
     """A node agent as the coordinator sees it: the keys it writes, written by hand (no worker process)."""
 
-    def __init__(self, port: int, workers: int) -> None:
+    def __init__(self, port: int, workers: int, take_ids: bool = True) -> None:
         self.store = dist.TCPStore("127.0.0.1", port, is_master=False)
         self.node = self.store.add(NodeKeys.NODE_IDS, 1) - 1
         for key in (NodeKeys.beat(self.node), NodeKeys.events(self.node), NodeKeys.orders(self.node)):
             self.store.add(key, 0)
-        self.events = 0
+        self.events, self.workers = 0, workers
+        if take_ids:  # otherwise later: another agent may take its ids in between, as a real one may
+            self.take_ids()
+
+    def take_ids(self) -> None:
+        """The founders' ids as one block (what node_agent.py's register does), their starts, the node's info."""
+        workers = self.workers
         first = self.store.add(NodeKeys.MEMBER_IDS, workers) - workers
         self.members = list(range(first, first + workers))
         for member in self.members:
@@ -133,6 +139,21 @@ def test_a_silent_node_leaves_in_one_plan_with_all_its_members(tmp_path: Path) -
     assert plan.joined == [] and not plan.stop
     assert [o["kind"] for o in b.orders()] == ["fence"]  # a lost node is told to stop, never asked to replace
     assert a.orders() == [] and c.orders() == []
+
+
+def test_member_k_starts_as_rank_k_whatever_order_the_agents_register_in(tmp_path: Path) -> None:
+    """Node 0 registers first but takes its ids after node 1 (agents race): ranks follow the member ids, not the node
+    ids, so member 0 is rank 0 (the tests that spare rank 0's node pick it by member id)."""
+    coordinator = _coordinator(tmp_path, _cfg(2))
+    late = FakeAgent(coordinator.port, 2, take_ids=False)
+    early = FakeAgent(coordinator.port, 2)
+    late.take_ids()
+    assert (late.node, late.members, early.node, early.members) == (0, [2, 3], 1, [0, 1])
+    for agent in (late, early):
+        agent.hello()
+        agent.beat()
+    coordinator._wait_for_founders()
+    assert (coordinator.plan.members, coordinator.plan.nodes) == ([0, 1, 2, 3], [1, 1, 0, 0])
 
 
 def test_a_worker_lost_on_a_live_node_is_replaced_there(tmp_path: Path) -> None:

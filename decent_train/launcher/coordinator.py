@@ -226,11 +226,13 @@ class Coordinator:
 
     def _ordered(self, members: list[int], established: list[int]) -> list[int]:
         """``members`` in rank order: by node, then established members before joiners, then by id. Nodes with an
-        established member come first (by id), so rank 0 is always one that holds the run's state."""
+        established member come first, so rank 0 is always one that holds the run's state; nodes in the order of
+        their first member id (an agent takes its founders' ids as one block), so that member k starts as rank k."""
         def key(m: int) -> tuple[bool, int, bool, int]:
             node = self.members[m].node
             node_has_established = any(self.members[e].node == node for e in established)
-            return (not node_has_established, node, m not in established, m)
+            first = min(x.id for x in self.members.values() if x.node == node)
+            return (not node_has_established, first, m not in established, m)
 
         return sorted(members, key=key)
 

@@ -127,8 +127,10 @@ class NodeAgent:
                 env["GLOO_SOCKET_IFNAME"] = interface
         return env
 
-    def _start_worker(self, founder: bool) -> int:
-        member = self.store.add(NodeKeys.MEMBER_IDS, 1) - 1
+    def _start_worker(self, founder: bool, member: int | None = None) -> int:
+        """Start a worker as ``member`` (default: the store counter's next id)."""
+        if member is None:
+            member = self.store.add(NodeKeys.MEMBER_IDS, 1) - 1
         self.store.add(Keys.beat(member), 0)  # exists before the worker beats: read in one multi_get
         process = subprocess.Popen(self.command, env={**self.env, MEMBER_ENV: str(member)})
         self.workers[member] = _Worker(member, process, founder)
@@ -163,8 +165,11 @@ class NodeAgent:
         self.node = self.store.add(NodeKeys.NODE_IDS, 1) - 1
         for key in (NodeKeys.beat(self.node), NodeKeys.events(self.node), NodeKeys.orders(self.node)):
             self.store.add(key, 0)
-        for _ in range(self.nproc):
-            self._start_worker(founder=True)
+        # one block of ids: a node's founders are consecutive whatever order the agents register in, and the
+        # coordinator ranks nodes by their first id, so member k starts as rank k
+        first = self.store.add(NodeKeys.MEMBER_IDS, self.nproc) - self.nproc
+        for member in range(first, first + self.nproc):
+            self._start_worker(founder=True, member=member)
         info = {"host": socket.gethostname(), "pid": os.getpid(), "workers": self.nproc}
         self.store.set(NodeKeys.info(self.node), json.dumps(info))
         self.last_contact = time.monotonic()
