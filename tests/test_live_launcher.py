@@ -25,6 +25,7 @@ import pytest
 
 from decent_train.components.checkpoint import complete_checkpoints
 from decent_train.engine import reconfigure
+from decent_train.training.live_changes import STOP_BEFORE_COMMIT_ENV
 
 from .jobs import COMMAND, records
 from .test_elastic import alive
@@ -77,8 +78,14 @@ def at_step(step: int) -> Ready:
 
 
 def joining(member: int) -> Ready:
-    """``member`` is started and the launcher has logged a plan with a joiner (the replacement heals now)."""
-    return lambda watch: member in watch.workers() and "worker(s) joining" in watch.console()
+    """``member``, a joiner, has its donor's state and stopped itself before it commits
+    (``STOP_BEFORE_COMMIT_ENV``, set by the caller): killing it now kills a worker that is not in yet."""
+    def stopped(watch: Watch) -> bool:
+        pid = watch.workers().get(member)
+        with contextlib.suppress(OSError, IndexError):
+            return pid is not None and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+        return False
+    return stopped
 
 
 @dataclass
@@ -265,9 +272,11 @@ def test_below_min_workers_the_run_stops_with_a_checkpoint(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
-def test_a_replacement_killed_while_it_joins_is_replaced_again(tmp_path: Path) -> None:
+def test_a_replacement_killed_while_it_joins_is_replaced_again(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     # A joiner killed after it published its reconfigure handle holds the members in gloo's reconfiguration until
     # comm_timeout_s (docs/fault-tolerance.md, limits): 20 s here instead of 300.
+    monkeypatch.setenv(STOP_BEFORE_COMMIT_ENV, "4")  # the first replacement, killed healed but not yet in
     run = launch(tmp_path, "launch.max_restarts=2", "comm_timeout_s=20", signals=[
         Signal(at_step(KILL_AT), signal.SIGKILL, [2]),
         Signal(joining(4), signal.SIGKILL, [4]),
@@ -278,4 +287,7 @@ def test_a_replacement_killed_while_it_joins_is_replaced_again(tmp_path: Path) -
     changes = run.result["membership_changes"]
     lost = [(x["member"], x["why"]) for c in changes for x in c["lost"]]
     assert lost == [(2, "killed by SIGKILL"), (4, "killed by SIGKILL")], f"{run}"
+    # member 4 never got in: no change took it in, and it was lost without a rank
+    assert all(j["member"] != 4 for c in changes for j in c["joined"]), f"{run}"
+    assert [x["rank"] for c in changes for x in c["lost"] if x["member"] == 4] == [None], f"{run}"
     assert changes[0]["step"] > run.sent[0][0], f"{run}"

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -25,6 +27,10 @@ from decent_train.training.resume import resharded_start
 
 
 T = TypeVar("T")
+
+# Tests only: the member named here stops itself (SIGSTOP) once its donor's state has arrived, before it commits, so
+# that a test can kill a joiner that is not in yet.
+STOP_BEFORE_COMMIT_ENV = "DECENT_TRAIN_TEST_STOP_BEFORE_COMMIT"
 
 
 class LiveTraining:
@@ -108,6 +114,8 @@ class LiveTraining:
             plan = live.plan
             try:
                 state, nbytes = receive_state(rank_of(plan, plan.donors[live.id]))
+                if os.environ.get(STOP_BEFORE_COMMIT_ENV) == str(live.id):
+                    os.kill(os.getpid(), signal.SIGSTOP)
                 live.commit()
                 break
             except (RuntimeError, PlanSuperseded):  # the donor or another member died: a newer plan heals it again
