@@ -2,6 +2,8 @@
 
 - A founder stopped (SIGSTOP) before its hello: the launch stops with one line naming it, instead of waiting forever.
 - A member paused for 4 s (SIGSTOP, then SIGCONT), a transient fault under every bound: no change, nothing repeated.
+- A member alive but stuck (its training thread hangs before a record step's barrier, its heartbeat beats on): the
+  others report it after ``comm_timeout_s``, the coordinator has it killed, and the run goes on without it.
 - A member SIGKILLed inside a record step's collective: the first gather, the consensus distance's all-reduce or the
   evaluation's (it stops itself there, through the test hook ``live.PAUSE_ENV``: the hook only delays it; the kill
   is real): every survivor completes its next record
@@ -19,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from decent_train.training.live import PAUSE_ENV, RECORD_FLOOR_S
+from decent_train.training.live_changes import HANG_AT_ENV
 
 from .test_elastic import alive
 from .test_live_launcher import Ready, Signal, Watch, check_trained_to_the_end, launch
@@ -114,3 +117,26 @@ def test_a_member_paused_for_seconds_is_absorbed_without_a_change(tmp_path: Path
     assert run.result["membership_changes"] == [], f"{run}"
     during = [r for r in run.records if r["step"] > run.sent[0][0]]
     assert during, f"no record after the pause\n{run}"
+
+
+@pytest.mark.slow
+def test_a_member_stuck_but_beating_is_reported_killed_and_dropped(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Member 2's training thread hangs at record step 200, before its barrier (``HANG_AT_ENV``); its heartbeat
+    thread beats on, so silence never declares it dead. The others, at the barrier, report it after comm_timeout_s
+    (20 s); the coordinator has its agent kill it and plans without it: 4 -> 3, one change, and the survivors'
+    longest gap between records is about comm_timeout_s, not the run's timeout."""
+    comm_timeout_s = 20
+    monkeypatch.setenv(HANG_AT_ENV, f"2:{PAUSE_AT}")
+    run = launch(tmp_path, f"comm_timeout_s={comm_timeout_s}", signals=[])
+    check_trained_to_the_end(run)
+    assert run.members() == [4, 3], f"{run}"
+    (change,) = run.result["membership_changes"]
+    assert [(x["member"], x["rank"]) for x in change["lost"]] == [(2, 2)], f"{run}"
+    assert change["lost"][0]["why"].startswith("stuck: not at ") and "comm_timeout_s" in change["lost"][0]["why"], \
+        f"{run}"
+    assert change["joined"] == [] and change["step"] >= PAUSE_AT, f"{run}"
+    written = [r["time/elapsed_s"] for r in run.records]
+    gap = max(b - a for a, b in zip(written, written[1:]))
+    print(f"longest gap between records: {gap:.1f} s (comm_timeout_s={comm_timeout_s})")
+    assert comm_timeout_s <= gap < comm_timeout_s + 10, f"{gap}\n{run}"

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -31,6 +32,9 @@ T = TypeVar("T")
 # Tests only: the member named here stops itself (SIGSTOP) once its donor's state has arrived, before it commits, so
 # that a test can kill a joiner that is not in yet.
 STOP_BEFORE_COMMIT_ENV = "DECENT_TRAIN_TEST_STOP_BEFORE_COMMIT"
+# Tests only, "member:step": that member's training thread hangs at that record step, before its barrier, while its
+# heartbeat thread beats on (alive but stuck: what only the others' report to the coordinator can end).
+HANG_AT_ENV = "DECENT_TRAIN_TEST_HANG_AT"
 
 
 class LiveTraining:
@@ -58,6 +62,8 @@ class LiveTraining:
     def change_at(self, step: int, needs_all: bool) -> bool:
         """Whether the members change after ``step`` (see ``LiveMembership.change_at``); also closes the timing of
         the previous change, at the first step completed after it."""
+        if needs_all and os.environ.get(HANG_AT_ENV) == f"{self.live.id}:{step}":
+            threading.Event().wait()
         self.live.step_done()
         if self._recovering is not None:
             plan, record = self._recovering
