@@ -15,6 +15,7 @@ import dataclasses
 import io
 import json
 import os
+import pickle
 import socket
 import statistics
 import threading
@@ -45,6 +46,10 @@ STEP_WINDOW = 101  # the steps the median is taken over (the latest)
 # Tests: "member:step[:collective]": past that step's barrier, that member SIGSTOPs itself before the first collective
 # whose description contains ``collective`` (default: the step's first, a gather) (engine/comm.py's stop_before).
 PAUSE_ENV = "DECENT_TRAIN_TEST_STOP_AFTER_BARRIER"
+
+
+class HealStateRefused(Exception):
+    """A heal state not only of tensors and plain values: the joiner exits (``join`` waits out RuntimeErrors)."""
 
 
 class WaitTimeout(RuntimeError):
@@ -564,14 +569,23 @@ def send_state(state: dict[str, Any], rank: int) -> int:
 
 
 def receive_state(rank: int) -> tuple[dict[str, Any], int]:
-    """What :func:`send_state` sent from ``rank``, and its size in bytes."""
+    """What :func:`send_state` sent from ``rank``, and its size in bytes; weights_only: a peer runs no code here."""
     size = torch.zeros(1, dtype=torch.int64)
     dist.recv(size, rank)
     payload = torch.empty(int(size), dtype=torch.uint8)
     dist.recv(payload, rank)
     # onto the CPU: a CUDA donor's tensors name its own GPU; loading the state copies them to this worker's device
-    state = torch.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu", weights_only=False)
-    return state, int(size)
+    try:
+        return torch.load(io.BytesIO(payload.numpy()), map_location="cpu", weights_only=True), int(size)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as error:  # one line, not the unpickler's
+        names: list[str] = []
+        with contextlib.suppress(RuntimeError, ValueError):  # not a torch.save archive: torch's reason says so
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(payload.numpy()))
+        reasons = [line.split(". ")[0] for line in str(error).splitlines()
+                   if line.strip() and not line.startswith(("Weights only", "Please file", "Check the"))]
+        why = f"{type(error).__name__}: {reasons[0] if reasons else 'no reason given'}"
+    why = f"it names {', '.join(names)}, which weights_only loading refuses" if names else why
+    raise HealStateRefused(f"the heal state from rank {rank} ({int(size)} bytes) was refused: {why[:300]}")
 
 
 def rank_of(plan: Plan, member: int) -> int:
