@@ -367,7 +367,8 @@ def _is_power_of_two(n: int) -> bool:
 
 @TopologyReg.register("complete")
 class CompleteTopology(Topology):
-    """Every worker averages with every other at every step (exact averaging; one all-reduce of the parameters)."""
+    """Every worker averages with every other at every step (exact averaging): one all-reduce of the parameters, or
+    under live membership n - 1 point-to-point messages per worker (docs/fault-tolerance.md, limits)."""
 
     def _get_topo_edges(self) -> list[list[Edge]]:
         return [[Edge(list(range(self._world_size)))]]
