@@ -37,8 +37,7 @@ from decent_train.components.checkpoint import ShardedState, floating_tensors
 from decent_train.components.metrics import ConsensusProbe
 from decent_train.components.models import shard_units
 from decent_train.config import TrainConfig
-from decent_train.engine.comm import peers_must_answer, run_collective
-from decent_train.engine.membership import local_part
+from decent_train.engine.membership import average_tensors_, local_part
 from decent_train.engine.optimizers import LRSchedulerFn
 
 __all__ = ["ShardedFront", "ShardedGossip", "ShardedDiLoCo", "ShardedLocalSGD", "SHARDED", "shard_model",
@@ -121,13 +120,11 @@ class ShardedFront(FrontAlgorithm):
         return [b for b in self.net.buffers() if b.is_floating_point()]
 
     def _average(self, shards: list[Tensor], buffers: list[Tensor], what: str) -> None:
-        """Shards over the replicas; buffers (BatchNorm's statistics: FSDP2 leaves them whole, each rank updating its
-        own) over every rank."""
+        """Shards over the replicas; floating buffers (BatchNorm's statistics: FSDP2 leaves them whole, each rank
+        updating its own) over every rank, one all-reduce per dtype; integer ones (``num_batches_tracked``) stay each
+        rank's own."""
         self.front.members.average_tensors_(shards, what)
-        with peers_must_answer(what):
-            for buffer in buffers:
-                run_collective(dist.all_reduce, buffer)
-                buffer.div_(dist.get_world_size())
+        average_tensors_(buffers, dist.get_world_size(), what)
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """The whole model (gathered from the shards) on rank 0, on the CPU; others get an empty dict. Collective."""

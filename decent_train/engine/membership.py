@@ -20,7 +20,7 @@ from decent_train.engine import reconfigure
 from decent_train.engine.comm import peers_must_answer, run_collective
 from decent_train.engine.topology import ShardedTopology, Topology, get_topology_class
 
-__all__ = ["Membership", "local_part"]
+__all__ = ["Membership", "average_tensors_", "local_part"]
 
 TopologySpec = str | Topology | type[Topology]
 
@@ -183,10 +183,23 @@ class Membership:
 
     def average_tensors_(self, tensors: list[Tensor], what: str | Callable[[], str]) -> None:
         """Average ``tensors`` over all members in place, with one all-reduce per dtype and device."""
-        groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-        for tensor in tensors:
-            groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-        for same in groups.values():
-            flat = torch._utils._flatten_dense_tensors(same)
-            self.average_(flat, what)
-            torch._foreach_copy_(same, torch._utils._unflatten_dense_tensors(flat, same))
+        if self.replicas > 1:
+            average_tensors_(tensors, self.replicas, what, group=self.data_group, timeout=self.timeout)
+
+
+def average_tensors_(
+    tensors: list[Tensor], size: int, what: str | Callable[[], str], group: dist.ProcessGroup | None = None,
+    timeout: timedelta | None = None,
+) -> None:
+    """``tensors`` <- their average over ``group``'s ``size`` ranks (None: the default group), in place: one
+    all-reduce per dtype and device over the flattened tensors, since each collective costs a round trip whatever
+    its size. ``what`` names it if a peer fails."""
+    groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    for same in groups.values():
+        flat = torch._utils._flatten_dense_tensors(same)
+        with peers_must_answer(what, timeout):
+            run_collective(dist.all_reduce, flat, group=group)
+        flat.div_(size)
+        torch._foreach_copy_(same, torch._utils._unflatten_dense_tensors(flat, same))

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sized
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from decent_train.components.data import Datasets
+from decent_train.components.data import Batch, Datasets
 from decent_train.config import TrainConfig
 from decent_train.engine import reconfigure
 from decent_train.engine.comm import peers_must_answer, run_collective
@@ -23,7 +23,8 @@ def evaluate(
 ) -> dict[str, float]:
     """Loss and accuracy (next-token accuracy for tokens) on the whole evaluation set; each worker evaluates a
     disjoint slice and the sums are reduced. ``lockstep``: ranks whose forward passes pair up (a sharded model's
-    replica, which gathers its parameters in each): they run as many as the one with the most batches."""
+    replica, which gathers its parameters in each): they run as many as the one with the most batches, agreed on by
+    one all-reduce before the loop where the batches have a length, else by one per batch (``_in_lockstep``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     was_training = net.training
     net.eval()
@@ -46,13 +47,48 @@ def evaluate(
 
 
 def _in_lockstep(
-    batches: Iterator[tuple[Tensor, Tensor]], group: dist.ProcessGroup | None, device: torch.device
+    batches: Iterable[Batch], group: dist.ProcessGroup | None, device: torch.device
 ) -> Iterator[tuple[Tensor, Tensor, bool]]:
-    """``(x, y, counts)`` per batch; with ``group``, until every rank of it is done, a rank done early repeating its
-    last batch with ``counts`` false (one flag all-reduced per batch: evaluation only)."""
+    """``(x, y, counts)`` per batch; with ``group``, as many as the rank of it with the most batches, a rank done early
+    repeating its last batch with ``counts`` false. Batches with a length (a list, a ``DataLoader``) take one MAX
+    all-reduce of the counts before the loop, and one host sync; others (the datasets' generators), one of each per
+    batch (``_flagged_in_lockstep``). The length is trusted: batches beyond it would go unevaluated."""
     if group is None:
         yield from ((x, y, True) for x, y in batches)
         return
+    length = _length(batches)
+    if length is None:
+        yield from _flagged_in_lockstep(iter(batches), group, device)
+        return
+    most = torch.tensor([length], dtype=torch.int64, device=device)
+    run_collective(dist.all_reduce, most, op=dist.ReduceOp.MAX, group=group)
+    mine, last = iter(batches), None
+    for _ in range(int(most.item())):  # the one host sync
+        batch = next(mine, None)
+        if batch is not None:
+            last = batch
+            yield (*batch, True)
+        elif last is not None:
+            yield (*last, False)
+        else:
+            raise _no_batch()
+
+
+def _length(batches: Iterable[Batch]) -> int | None:
+    """``len(batches)``, or None where they have none (a generator; a ``DataLoader`` over an iterable dataset)."""
+    if not isinstance(batches, Sized):
+        return None
+    try:
+        return len(batches)
+    except TypeError:
+        return None
+
+
+def _flagged_in_lockstep(
+    batches: Iterator[Batch], group: dist.ProcessGroup, device: torch.device
+) -> Iterator[tuple[Tensor, Tensor, bool]]:
+    """``_in_lockstep`` for batches of unknown number: until every rank is done, with one flag all-reduced (and read
+    on the host) per batch."""
     last = None
     while True:
         batch = next(batches, None)
@@ -66,8 +102,12 @@ def _in_lockstep(
         elif last is not None:
             yield (*last, False)
         else:
-            raise RuntimeError(f"rank {dist.get_rank()} has no evaluation batch while its replica's others do: use "
-                               "at least one evaluation sample per worker")
+            raise _no_batch()
+
+
+def _no_batch() -> RuntimeError:
+    return RuntimeError(f"rank {dist.get_rank()} has no evaluation batch while its replica's others do: use at least "
+                        "one evaluation sample per worker")
 
 
 class Evaluator:
