@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from decent_train.components.data import DatasetConfig, build_datasets, images, prepare, tokens
+from decent_train.components.data import DatasetConfig, Datasets, arrays, build_datasets, images, prepare, tokens
 
 from .datafiles import CIFAR10_SIZES, TRAIN_FILES, VAL_FILES, write_cifar, write_image_folder, write_token_files
 
@@ -521,3 +521,38 @@ def test_token_ids_must_be_below_the_vocabulary(tmp_path: Path, split: str) -> N
     cfg = _token_cfg(tmp_path, vocab_size=100)
     cfg.check_files()  # accepted by the cheap check ...
     _error([str(path), "100", "vocab_size"], lambda: build_datasets(cfg))  # ... rejected on load
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Every built-in dataset counts its evaluation batches (a sharded evaluation agrees on the most with one all-reduce)
+# --------------------------------------------------------------------------------------------------------------------
+
+EVAL_SPLITS = [(1, 1), (2, 1), (3, 2), (4, 3), (5, 2), (7, 4), (16, 3), (2, 8)]  # (batch_size, world)
+
+
+def _counted_datasets(root: Path, name: str) -> Datasets:
+    """Small instances of each built-in kind: 7 test samples in memory, 10 token windows, 5 val images."""
+    if name == "arrays":
+        g = torch.Generator().manual_seed(0)
+        return arrays.tensor_data(torch.randn(9, 3, generator=g), torch.arange(9) % 2, torch.randn(7, 3, generator=g),
+                                  torch.arange(7) % 2)
+    if name == "tokens":
+        write_token_files(root, n_val=85)  # (85 - 1) // CTX = 10 windows
+        return build_datasets(_token_cfg(root))
+    write_image_folder(root)
+    return build_datasets(_folder_cfg(root))
+
+
+@pytest.mark.parametrize("name", ["arrays", "tokens", "imagefolder"])
+def test_eval_batch_count_is_the_number_of_eval_batches(tmp_path: Path, name: str) -> None:
+    """Uneven slices (7, 10 or 5 samples over 2, 3, 4 or 8 workers: some with none) and batch sizes that do not
+    divide them (a last, partial batch) included."""
+    data = _counted_datasets(tmp_path, name)
+    for batch_size, world in EVAL_SPLITS:
+        for rank in range(world):
+            count = data.eval_batch_count(batch_size, rank, world)
+            assert count == len(list(data.eval_batches(batch_size, rank, world))), (batch_size, rank, world)
+            on_device = data.device_eval_batches(batch_size, rank, world, device="cpu")  # what the evaluation reads
+            assert count == len(list(on_device)), (batch_size, rank, world)
+    assert [data.eval_batch_count(2, r, 3) for r in range(3)] == {"arrays": [2, 1, 1], "tokens": [2, 2, 2],
+                                                                  "imagefolder": [1, 1, 1]}[name]

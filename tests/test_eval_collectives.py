@@ -6,10 +6,11 @@ evaluation's average takes every floating buffer over every rank (4 float32 Batc
 buffer here); the integer ``num_batches_tracked`` stays each rank's own. Rank 0 has 5 evaluation batches, rank 1 has
 3; their forwards gather parameters together, so rank 1 must run 5 too, its last 2 uncounted.
 
-Counts: the buffers' average is one all-reduce per dtype (2; it was one per buffer: 5). An evaluation whose batches
-have a length is one MAX all-reduce of the batch counts before the loop plus the sums' (2; it was one flag per
-batch and the last "done" flag: 6, plus the sums: 7); batches without a length keep the per-batch flags. Without a
-lockstep group (whole models) only the sums are reduced.
+Counts: the buffers' average is one all-reduce per dtype (2; it was one per buffer: 5). An evaluation whose dataset
+counts its batches (``eval_batch_count``, as the built-in ones do) is one MAX all-reduce of the counts before the
+loop plus the sums' (2; it was one flag per batch and the last "done" flag: 6, plus the sums: 7); a dataset that
+cannot say (None, the default) keeps the per-batch flags. Without a lockstep group (whole models) only the sums are
+reduced. A count its batches do not match is refused.
 
 Oracle: the model rebuilt here in float64 with the float64 mean of the ranks' buffers, run on every rank's batches
 (each counted once), the sums combined by hand. A rank's repeated batch counted, or a buffer left unaveraged, moves
@@ -39,6 +40,7 @@ from .jobs import make_cfg
 
 D_IN, HIDDEN, CLASSES, ROWS = 6, 8, 5, 4
 BATCHES = (5, 3)  # evaluation batches of rank 0 and rank 1
+MISCOUNT = (0, 0)  # added to what rank 0's and rank 1's eval_batch_count say (a test of a wrong count sets it)
 FLOAT_BUFFERS, DTYPES = 5, 2  # 4 float32 BatchNorm statistics and the float64 offset
 
 
@@ -79,41 +81,23 @@ def _batches(rank: int) -> list[Batch]:
     return [(torch.randn(n, D_IN, generator=g), torch.randint(CLASSES, (n,), generator=g)) for n in sizes]
 
 
-class _Sized(Iterator[Batch]):
-    """An iterator over ``batches`` that has their number as its length (as a ``DataLoader``'s iterator has)."""
-
-    def __init__(self, batches: list[Batch]) -> None:
-        self.batches, self.next = batches, 0
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __next__(self) -> Batch:
-        if self.next == len(self.batches):
-            raise StopIteration
-        self.next += 1
-        return self.batches[self.next - 1]
-
-
 class _Uneven(Datasets):
-    """``_batches(rank)`` as the evaluation set: an iterator with a length or, ``sized=False``, a generator."""
+    """``_batches(rank)`` as the evaluation set, a generator as the built-in datasets' are, that counts its batches or,
+    ``counted=False``, cannot say (the default ``eval_batch_count``)."""
 
     input_shape, num_classes, train_size = (D_IN,), CLASSES, 0
 
-    def __init__(self, sized: bool) -> None:
-        self.sized = sized
+    def __init__(self, counted: bool) -> None:
+        self.counted = counted
 
     def train_batches(self, batch_size: int, rank: int, world: int, seed: int, start: int = 0) -> Iterator[Batch]:
         raise NotImplementedError
 
     def eval_batches(self, batch_size: int, rank: int, world: int) -> Iterator[Batch]:
-        return iter(_batches(rank))
+        yield from _batches(rank)
 
-    def device_eval_batches(
-        self, batch_size: int, rank: int, world: int, *, device: torch.device | str, channels_last: bool = False
-    ) -> Iterator[Batch]:
-        batches = _batches(rank)
-        return _Sized(batches) if self.sized else (b for b in batches)
+    def eval_batch_count(self, batch_size: int, rank: int, world: int) -> int | None:
+        return BATCHES[rank] + MISCOUNT[rank] if self.counted else super().eval_batch_count(batch_size, rank, world)
 
 
 class _Counted:
@@ -141,7 +125,7 @@ class _Counted:
 
 def _worker(rank: int, world: int, run_dir: Path) -> dict[str, Any]:
     """Build the sharded front over ``Net``, set this rank's buffers, and count and keep what the average and
-    three evaluations (sized batches, a generator, no lockstep group) do."""
+    three evaluations (batches counted, not counted, no lockstep group) do."""
     from decent_train.algorithms import algorithm_for
     from decent_train.components.optim import make_scheduler_fn
 
@@ -160,11 +144,11 @@ def _worker(rank: int, world: int, run_dir: Path) -> dict[str, Any]:
             averaged.enter_context(algo.averaged())
         out["average_calls"] = list(counter.calls)
         out["averaged"] = {n: b.clone() for n, b in net.named_buffers()}
-        for sized in (True, False):
+        for counted in (True, False):
             with counter:
-                out[f"eval_sized={sized}"] = evaluate(net, cfg, _Uneven(sized), device, precision,
-                                                      lockstep=algo.lockstep_group)
-            out[f"eval_calls_sized={sized}"] = list(counter.calls)
+                out[f"eval_counted={counted}"] = evaluate(net, cfg, _Uneven(counted), device, precision,
+                                                          lockstep=algo.lockstep_group)
+            out[f"eval_calls_counted={counted}"] = list(counter.calls)
     out["restored"] = {n: b.clone() for n, b in net.named_buffers()}
     with counter:
         algo.average()
@@ -212,10 +196,10 @@ def test_the_buffers_average_is_one_all_reduce_per_dtype(results: list[dict[str,
 def test_a_sharded_evaluation_over_uneven_batches_is_two_all_reduces(results: list[dict[str, Any]]) -> None:
     """One MAX of the batch counts before the loop, then the sums: not one flag per batch."""
     for r in results:
-        calls = r["eval_calls_sized=True"]
+        calls = r["eval_calls_counted=True"]
         assert len(calls) == 2, f"{len(calls)} all-reduces for {BATCHES} batches"
         assert calls == [(torch.int64, dist.ReduceOp.MAX), (torch.float64, dist.ReduceOp.SUM)]
-        assert len(r["eval_calls_sized=False"]) == max(BATCHES) + 2  # no length: today's flag per batch, and "done"
+        assert len(r["eval_calls_counted=False"]) == max(BATCHES) + 2  # no count: a flag per batch, and "done"
         assert r["plain_calls"] == [(torch.float64, dist.ReduceOp.SUM)]  # whole models: no lockstep
 
 
@@ -232,11 +216,11 @@ def test_the_averaged_buffers_are_the_float64_mean_and_are_put_back(results: lis
 def test_the_evaluation_is_the_oracles_on_every_rank(results: list[dict[str, Any]]) -> None:
     _, want = _oracle(results[0]["full"])
     for r in results:
-        got = r["eval_sized=True"]
-        assert got == r["eval_sized=False"]  # the per-batch path's result exactly
+        got = r["eval_counted=True"]
+        assert got == r["eval_counted=False"]  # the per-batch path's result exactly
         assert got["eval/accuracy"] == want["eval/accuracy"]
         assert got["eval/loss"] == pytest.approx(want["eval/loss"], rel=1e-6, abs=0)
-    assert results[0]["eval_sized=True"] == results[1]["eval_sized=True"]
+    assert results[0]["eval_counted=True"] == results[1]["eval_counted=True"]
 
 
 def _without_batches(rank: int, world: int, run_dir: Path) -> None:
@@ -250,17 +234,17 @@ def test_a_rank_without_batches_beside_one_with_some_is_refused(tmp_path: Path) 
         run_workers(_without_batches, 2, tmp_path, timeout=60.0)
 
 
-def test_batches_have_a_length_only_where_len_answers() -> None:
-    """A ``DataLoader`` over an iterable dataset is ``Sized`` but its ``len`` raises: it takes the per-batch path."""
-    from torch.utils.data import DataLoader, IterableDataset
+def _miscounted(rank: int, world: int, run_dir: Path, miscount: tuple[int, int]) -> None:
+    global MISCOUNT
+    MISCOUNT = miscount  # this forked worker only
+    _worker(rank, world, run_dir)
 
-    from decent_train.training.evaluator import _length
 
-    class Stream(IterableDataset):
-        def __iter__(self) -> Iterator[Tensor]:
-            return iter(torch.zeros(3, 2))
-
-    assert _length(_batches(0)) == BATCHES[0]
-    assert _length(DataLoader(torch.zeros(5, 2), batch_size=2)) == 3
-    assert _length(b for b in _batches(0)) is None
-    assert _length(DataLoader(Stream(), batch_size=2)) is None
+@pytest.mark.parametrize(("miscount", "message"), [
+    ((0, 1), "rank 1's dataset counts 4 evaluation batches .* but yields only 3"),  # it would repeat one uncounted
+    ((-1, 0), "rank 0's dataset counts 4 evaluation batches .* but yields more"),  # its 5th would go unevaluated
+    ((0, -1), "rank 1's dataset counts 2 evaluation batches .* but yields more"),  # rank 0's count covers its 3rd
+])
+def test_a_count_the_batches_do_not_match_is_refused(tmp_path: Path, miscount: tuple[int, int], message: str) -> None:
+    with pytest.raises(WorkerError, match=message):
+        run_workers(_miscounted, 2, tmp_path, miscount, timeout=60.0)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sized
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -24,13 +24,15 @@ def evaluate(
     """Loss and accuracy (next-token accuracy for tokens) on the whole evaluation set; each worker evaluates a
     disjoint slice and the sums are reduced. ``lockstep``: ranks whose forward passes pair up (a sharded model's
     replica, which gathers its parameters in each): they run as many as the one with the most batches, agreed on by
-    one all-reduce before the loop where the batches have a length, else by one per batch (``_in_lockstep``)."""
+    one all-reduce before the loop where the dataset counts its batches (``eval_batch_count``), else by one per batch
+    (``_in_lockstep``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     was_training = net.training
     net.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
     batches = data.device_eval_batches(cfg.eval_batch_size, rank, world, device=device, channels_last=cfg.channels_last)
-    for x, y, counts in _in_lockstep(batches, lockstep, device):
+    count = data.eval_batch_count(cfg.eval_batch_size, rank, world)
+    for x, y, counts in _in_lockstep(batches, count, lockstep, device):
         with precision.autocast():
             logits = net(x)
         if counts:
@@ -47,41 +49,34 @@ def evaluate(
 
 
 def _in_lockstep(
-    batches: Iterable[Batch], group: dist.ProcessGroup | None, device: torch.device
+    batches: Iterator[Batch], count: int | None, group: dist.ProcessGroup | None, device: torch.device
 ) -> Iterator[tuple[Tensor, Tensor, bool]]:
     """``(x, y, counts)`` per batch; with ``group``, as many as the rank of it with the most batches, a rank done early
-    repeating its last batch with ``counts`` false. Batches with a length (a list, a ``DataLoader``) take one MAX
-    all-reduce of the counts before the loop, and one host sync; others (the datasets' generators), one of each per
-    batch (``_flagged_in_lockstep``). The length is trusted: batches beyond it would go unevaluated."""
+    repeating its last batch with ``counts`` false. Given ``count`` (this rank's batches: ``eval_batch_count``), one
+    MAX all-reduce of the counts before the loop and one host sync; None, one of each per batch
+    (``_flagged_in_lockstep``). A count that ``batches`` do not match is an error."""
     if group is None:
         yield from ((x, y, True) for x, y in batches)
         return
-    length = _length(batches)
-    if length is None:
-        yield from _flagged_in_lockstep(iter(batches), group, device)
+    if count is None:
+        yield from _flagged_in_lockstep(batches, group, device)
         return
-    most = torch.tensor([length], dtype=torch.int64, device=device)
+    most = torch.tensor([count], dtype=torch.int64, device=device)
     run_collective(dist.all_reduce, most, op=dist.ReduceOp.MAX, group=group)
-    mine, last = iter(batches), None
+    last, seen = None, 0
     for _ in range(int(most.item())):  # the one host sync
-        batch = next(mine, None)
+        batch = next(batches, None)
         if batch is not None:
-            last = batch
+            last, seen = batch, seen + 1
             yield (*batch, True)
         elif last is not None:
             yield (*last, False)
         else:
             raise _no_batch()
-
-
-def _length(batches: Iterable[Batch]) -> int | None:
-    """``len(batches)``, or None where they have none (a generator; a ``DataLoader`` over an iterable dataset)."""
-    if not isinstance(batches, Sized):
-        return None
-    try:
-        return len(batches)
-    except TypeError:
-        return None
+    if seen != count or next(batches, None) is not None:  # unchecked, batches would go unevaluated or uncounted
+        yields = f"only {seen}" if seen < count else "more"
+        raise RuntimeError(f"rank {dist.get_rank()}'s dataset counts {count} evaluation batches (eval_batch_count) "
+                           f"but yields {yields}")
 
 
 def _flagged_in_lockstep(

@@ -103,6 +103,10 @@ class TensorData(Datasets):
         for start in range(0, len(y), batch_size):
             yield x[start : start + batch_size], y[start : start + batch_size]
 
+    def eval_batch_count(self, batch_size: int, rank: int, world: int) -> int:
+        """Test samples ``rank``, ``rank + world``, ... in batches, the last one partial."""
+        return -(-len(range(rank, len(self.test), world)) // batch_size)
+
     def train_batches(self, batch_size: int, rank: int, world: int, seed: int, start: int = 0) -> Iterator[Batch]:
         return self.device_train_batches(batch_size, rank, world, seed, start, device="cpu")
 

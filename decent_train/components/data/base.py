@@ -37,6 +37,12 @@ class Datasets(ABC):
     def eval_batches(self, batch_size: int, rank: int, world: int) -> Iterator[Batch]:
         """This worker's slice of the evaluation set; over all workers, every sample exactly once."""
 
+    def eval_batch_count(self, batch_size: int, rank: int, world: int) -> int | None:
+        """How many batches ``eval_batches`` (and ``device_eval_batches``) yield, or None where the dataset cannot say
+        without reading them. A sharded evaluation agrees on the most with one all-reduce given the counts, with one
+        per batch without (and refuses a wrong count). A subclass that changes the evaluation batches overrides it."""
+        return None
+
     def micro_batches_per_epoch(self, batch_size: int, world: int) -> int:
         return (self.train_size // world) // batch_size
 

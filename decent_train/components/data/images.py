@@ -227,3 +227,6 @@ class ImageFolderData(Datasets):
 
     def eval_batches(self, batch_size: int, rank: int, world: int) -> Iterator[Batch]:
         yield from self._loader(Subset(self.test, range(rank, len(self.test), world)), batch_size)
+
+    def eval_batch_count(self, batch_size: int, rank: int, world: int) -> int:
+        return -(-len(range(rank, len(self.test), world)) // batch_size)  # the loader keeps its last, partial batch

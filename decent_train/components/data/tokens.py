@@ -69,10 +69,17 @@ class TokenData(Datasets):
             starts = torch.randint(low, last_start + 1, (batch_size,), generator=batch_generator(seed, rank, 0, index))
             yield self._windows(self.train_tokens, starts.tolist())
 
+    def _eval_windows(self, rank: int, world: int) -> range:
+        """This worker's evaluation windows, by number: ``val.bin``'s consecutive windows dealt round-robin."""
+        return range(rank, (len(self.val_tokens) - 1) // self.context_length, world)
+
     def eval_batches(self, batch_size: int, rank: int, world: int) -> Iterator[Batch]:
-        windows = range(rank, (len(self.val_tokens) - 1) // self.context_length, world)
+        windows = self._eval_windows(rank, world)
         for i in range(0, len(windows), batch_size):
             yield self._windows(self.val_tokens, [w * self.context_length for w in windows[i : i + batch_size]])
+
+    def eval_batch_count(self, batch_size: int, rank: int, world: int) -> int:
+        return -(-len(self._eval_windows(rank, world)) // batch_size)
 
 
 def write_tokens(path: Path, tokens: np.ndarray | Tensor | list[int]) -> None:
