@@ -16,8 +16,8 @@ gradient over them, and every rank's gathered model must equal its replica's rep
 K = 1. The engine (``DecentralizedDataParallel``: mix, step, launch inside backward) mixes at step s with round s,
 not s − 1, so it is compared on the ring of 2 only, whose two rounds are the same pair.
 
-The replay tells wrong fronts apart: replays that mix after the optimizer step (x^{s+1} = W AdamW(x^s)), or never,
-were measured 0.07 to 0.28 away from these runs (10^9 x the tolerance; checked in a scratch copy, not kept here)."""
+The replay tells wrong fronts apart (``test_wrong_replays_are_far_from_the_runs``): replays that mix after the
+optimizer step (x^{s+1} = W AdamW(x^s)), never, or with round s instead of s − 1 are more than WRONG away."""
 
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ ROWS = 3  # rows of one rank's micro-batch
 D_IN, HIDDEN, D_OUT = 5, 7, 3  # 7 and 3 rows: uneven shards over 2 or 3 ranks
 LR, WEIGHT_DECAY = 0.05, 0.1
 TOLERANCE = 1e-10  # float64: the workers and the replay differ by round-off only
+WRONG = 1e-3  # a wrong replay is farther than this from the runs
+VARIANTS = ("mix_after_step", "never_mix", "round_s")  # wrong fronts the replay must tell apart
 
 
 class Net(nn.Module):
@@ -73,26 +75,33 @@ def _loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
 
 
 def _replay(topology: str, replicas: int, shard: int, steps: int = STEPS,
-            micro_batches: int = 1, d_out: int = D_OUT) -> list[dict[str, Tensor]]:
-    """Each replica's parameters after ``steps`` steps of the module's formula (one process, float64)."""
+            micro_batches: int = 1, d_out: int = D_OUT, variant: str = "exact") -> list[dict[str, Tensor]]:
+    """Each replica's parameters after ``steps`` steps of the module's formula (one process, float64); ``variant``:
+    the exact formula, or one of the wrong ``VARIANTS``."""
     models = [Net(seed=0, d_out=d_out) for _ in range(replicas)]
     optimizers = [_optimizer(m.parameters()) for m in models]
     built = build_topology(topology, replicas)
+
+    def mix(s: int) -> None:
+        w = built.mixing_matrix(s if variant == "round_s" else s - 1)
+        with torch.no_grad():
+            for params in zip(*(m.parameters() for m in models)):
+                mixed = torch.einsum("ij,j...->i...", w, torch.stack(params))
+                for p, new in zip(params, mixed):
+                    p.copy_(new)
+
     for s in range(steps):
         for r, (m, opt) in enumerate(zip(models, optimizers)):
             opt.zero_grad(set_to_none=True)
             for micro in range(micro_batches):
                 parts = [_batch(r * shard + k, s, micro, d_out) for k in range(shard)]
                 _loss(m, torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])).backward()
-        if s >= 1:
-            w = built.mixing_matrix(s - 1)
-            with torch.no_grad():
-                for params in zip(*(m.parameters() for m in models)):
-                    mixed = torch.einsum("ij,j...->i...", w, torch.stack(params))
-                    for p, new in zip(params, mixed):
-                        p.copy_(new)
+        if s >= 1 and variant in ("exact", "round_s"):
+            mix(s)
         for opt in optimizers:
             opt.step()
+        if variant == "mix_after_step":
+            mix(s + 1)
     return [{n: p.detach().clone() for n, p in m.named_parameters()} for m in models]
 
 
@@ -204,11 +213,30 @@ def _engine(rank: int, world_size: int, topology: str) -> dict[str, Tensor]:
 def test_whole_models_match_the_replay(topology: str, world_size: int) -> None:
     """``Gossip`` without a mesh: every worker within 1e-10 of the replay with K = 1. The ring of 4 alternates
     two different rounds, so it checks the round numbering (round s − 1 at step s) too."""
-    workers = run_workers(_whole, world_size, topology)
+    workers = _whole_run(topology, world_size)
     expected = _replay(topology, world_size, 1)
     for rank, params in enumerate(workers):
         deviation = _deviation(params, expected[rank])
         assert deviation <= TOLERANCE, f"worker {rank} is {deviation:.3g} from the replay"
+
+
+@functools.cache
+def _whole_run(topology: str, world_size: int) -> list[dict[str, Tensor]]:
+    return run_workers(_whole, world_size, topology)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_wrong_replays_are_far_from_the_runs(variant: str) -> None:
+    """The oracle can fail: a replay that mixes after the optimizer step, never mixes, or numbers rounds like the
+    engine (round s at step s) is farther than WRONG from the whole-model run on the ring of 4 (two different
+    rounds) and from a sharded one (2 x 2), where the exact replay is within TOLERANCE."""
+    for params, expected in ((_whole_run("ring", 4), _replay("ring", 4, 1, variant=variant)),
+                             ([w["params"] for w in _sharded_run(2, 2, 1, D_OUT)][::2],
+                              _replay("ring", 2, 2, variant=variant))):
+        if variant == "round_s" and len(expected) == 2:
+            continue  # the ring of 2's two rounds are the same pair: round s and s - 1 agree
+        deviation = max(_deviation(p, e) for p, e in zip(params, expected))
+        assert deviation > WRONG, f"{variant}: the run is only {deviation:.3g} from this wrong replay"
 
 
 def test_the_engine_computes_the_same_on_a_period_one_schedule() -> None:
