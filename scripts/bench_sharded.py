@@ -20,8 +20,10 @@ What is measured, per rank:
 
 * memory, as bytes of the LOCAL tensors after one optimizer step: parameters (``p.to_local()``), gradients, AdamW's
   two moments (``exp_avg``, ``exp_avg_sq``; its 0-d ``step`` counters are counted apart, they are not sharded) and
-  the gossip front's exchange buffers (its payload and receive buffer, one shard each). The ratio to K = 1 should be
-  1/K up to the padding of uneven shards (FSDP2 cuts dim 0 as ``torch.chunk``: the first ranks hold one row more).
+  the gossip front's exchange buffers, by its own accounting (``memory_bytes()["device"]``, after the warm-up steps
+  and a finished exchange: the payload and the receive buffer, one shard each, and nothing else, audit D7). The ratio
+  to K = 1 should be 1/K up to the padding of uneven shards (FSDP2 cuts dim 0 as ``torch.chunk``: the first ranks
+  hold one row more).
   Also the resident set (Linux ``/proc/self/status``) against the one before the gossip model was built, measured
   after a throwaway tiny model has gone through the same code (torch's first step pages in ~200 MB of code and
   modules) and with glibc returning freed blocks (``mallopt``, ``malloc_trim``): ``held``, after its first steps with
@@ -274,8 +276,6 @@ def measure_worker(rank: int, world: int, cfg: Config, k: int) -> dict[str, Any]
             "grad_bytes": sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None),
             "optimizer_bytes": moments,
             "step_counter_bytes": counters,
-            "gossip_buffer_bytes": sum(g.flat.numel() * g.flat.element_size()
-                                       + g.buffers.comm.numel() * g.buffers.comm.element_size() for g in gossip.groups),
             "gossip_bytes_per_step": gossip.bytes_per_inner_step(),
             "topology": gossip.topology.describe().split(";")[0],
         }
@@ -283,6 +283,7 @@ def measure_worker(rank: int, world: int, cfg: Config, k: int) -> dict[str, Any]
         for step in range(1, cfg.warmup):
             _train_step(model, optimizer, cfg, rank, step)
         gossip.outer_step()  # the exchange in flight: waited for and mixed
+        out["gossip_buffer_bytes"] = gossip.memory_bytes()["device"]  # its own count, after exchanges finished
         rss_peak = _status("VmHWM")
         gc.collect()
         _return_freed_memory()
@@ -438,7 +439,8 @@ def measure(cfg: Config) -> dict[str, Any]:
                                       if row["gossip_step_ms"] and row["hsdp_step_ms"] else None)
     return {
         "what": "FSDP2-sharded gossip (Gossip front, ring over replicas) vs HSDP: per-rank local bytes of parameters, "
-                "gradients, AdamW moments and gossip buffers after one step; bytes sent across replicas per step "
+                "gradients, AdamW moments after one step, gossip buffers (the front's memory_bytes()) after the "
+                "warm-up; bytes sent across replicas per step "
                 "(gossip: bytes_per_inner_step(); HSDP: metrics.allreduce_bytes_per_step(replicas, shard bytes), a "
                 "ring all-reduce estimate; unsharded: allreduce_bytes_per_step(workers, model bytes)); bytes sent "
                 "inside a replica per step by FSDP2's all-gathers and reduce-scatters (counted at the collectives, "

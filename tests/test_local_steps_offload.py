@@ -206,12 +206,13 @@ def _exchange_numel(compression: str | None) -> tuple[int, int, int]:
     """(elements on the device while a fragment's exchange is in flight with offload, elements its finish adds,
     message bytes): complete, 4 workers, uncompressed: the pseudo-gradient, all-reduced in place (``delta``); int8
     over a ring of 4: [x, anchor], this worker's public copy for this round's pair and the scratch, and at the finish
-    the peer's copy (brought in to mix its message) and the staged result; one message out, one in."""
+    the peer's copy (brought in to mix its message; the mix is written into the payload: no staged result, audit D7);
+    one message out, one in."""
     if compression is None:
         return NUMEL, 0, 0
     payload = 2 * NUMEL
     padded = math.ceil(payload / 256) * 256
-    return payload + payload + padded, payload + payload, 2 * (padded + 4 * padded // 256)
+    return payload + payload + padded, payload, 2 * (padded + 4 * padded // 256)
 
 
 def _hand_count(topology: str, compression: str | None, offload: bool, step: int) -> dict[str, int]:
@@ -230,11 +231,9 @@ def _hand_count(topology: str, compression: str | None, offload: bool, step: int
     device = host = 0
     for f in range(FRAGMENTS):
         momentum = n if synced[f] else 0  # the outer optimizer's, made at the fragment's first outer step
-        if not offload:
-            comm = n if compression is None else 0  # the all-reduce's copy
-            staged = payload if synced[f] else 0  # the engine's, made at the first finish
+        if not offload:  # no comm (all-reduced in place; compressed: none), no staged result (audit D7)
             started = scratch if synced[f] or f == in_flight else 0  # made at the fragment's first encode
-            device += ELEMENT * (payload + comm + staged + n + copies + started + momentum) + messages
+            device += ELEMENT * (payload + n + copies + started + momentum) + messages
             continue
         host += ELEMENT * (n + copies + momentum)
         if f == in_flight:
@@ -265,7 +264,8 @@ def test_the_device_holds_one_fragment_with_offload(topology: str, compression: 
     """At every inner step: ``memory_bytes()`` equals the hand count (with offload and without), with offload the
     device holds at most one fragment's bound plus ``CONSTANT`` (and some steps hold it: an exchange is in flight),
     without it, once every fragment has synced, at least F times the bound. During an outer step with offload: the
-    bound, the finish's staged result and the part of the fragment being stepped (its momentum), by hand."""
+    bound, what the finish brings in (int8: the peer's public copy) and the part of the fragment being stepped (its
+    momentum), by hand."""
     bound = _one_fragment_bound(compression)
     if compression is None:
         assert bound == ELEMENT * NUMEL  # one fragment
@@ -276,7 +276,7 @@ def test_the_device_holds_one_fragment_with_offload(topology: str, compression: 
                 assert measured == _hand_count(topology, compression, offload, step), (offload, step)
                 if offload:
                     assert measured["device"] <= bound + CONSTANT
-                elif step >= FRAGMENTS * PERIOD:  # every fragment synced: its staged result and momentum exist
+                elif step >= FRAGMENTS * PERIOD:  # every fragment synced: its momentum exists
                     assert measured["device"] >= FRAGMENTS * bound and measured["host"] == 0
             if offload:
                 assert max(m["device"] for m in seen) > 0 and min(m["device"] for m in seen) == 0

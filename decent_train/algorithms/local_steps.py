@@ -101,7 +101,7 @@ class DiLoCo:
 
     ``offload``: keep the anchors, the outer optimizer's state and the compressed public copies in (pinned) host
     memory, and device buffers only for what the fragment whose exchange is in flight sends and receives
-    (offload.py): uncompressed over ``complete``, one fragment's payload instead of 4x the model (to ~15x for int8
+    (offload.py): uncompressed over ``complete``, one fragment's payload instead of 3x the model (to ~13x for int8
     over a ring); its outer step brings the outer optimizer's state in ``OUTER_STEP_PARTS`` parts, an
     ``outer.step()`` each. ``None`` (the default): on when the parameters are on CUDA and an outer step comes less
     often than every inner step (per-step gossip would move its whole state every step); ``False`` keeps everything
@@ -218,12 +218,12 @@ class DiLoCo:
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of the tensors this front holds now, by place: ``"device"`` (the parameters' device) and ``"host"``
-        (offloaded). Walked: every fragment's anchors, exchange buffers (payload, receive buffer, staged result),
-        compressed scratch, messages and public copies, and the outer optimizer's state of the front's parameters;
-        each storage once. On CUDA a tensor counts where it is; with the parameters on the CPU (where the two places
-        are one memory) a tensor counts by the container it is in: the offload's host-resident copies as host, all
-        else (the device-resident set: the buffers of an exchange in flight and what was moved in for it, and
-        everything without offload) as device."""
+        (offloaded). Walked: every fragment's anchors, exchange buffers (payload, receive buffer, a point-to-point
+        group's rows, a staged result if one was made: none since audit D7), compressed scratch, messages and public
+        copies, and the outer optimizer's state of the front's parameters; each storage once. On CUDA a tensor counts
+        where it is; with the parameters on the CPU (where the two places are one memory) a tensor counts by the
+        container it is in: the offload's host-resident copies as host, all else (the device-resident set: the
+        buffers of an exchange in flight and what was moved in for it, and everything without offload) as device."""
         held = [item for group in self.groups for item in group.held()]
         if self.outer is not None:
             held += [(local_part(v), self._at_home(p, v)) for group in self.groups for p in group.owners

@@ -67,7 +67,8 @@ class OuterGroup:
     worker's public copies of the round's groups are device copies of the host ones, and the others' copies follow
     when their messages are mixed in; the anchors stay at home (:meth:`fill` and the outer step copy them straight
     to where they are used). ``reduce_in_place``: every round is one all-reduce of all
-    workers (not a pair's swap), or a worker alone, so the payload is reduced in place, without a ``comm`` buffer."""
+    workers (not a pair's swap), or a worker alone, so the payload is reduced in place, without a ``comm`` buffer.
+    No third buffer holds a round's result: :meth:`OuterExchange._into` writes it into ``flat`` or ``comm``."""
 
     def __init__(self, index: int, owners: list[nn.Parameter], payload: str, names: list[str] | None = None,
                  store: HostStore | None = None, reduce_in_place: bool = False):
@@ -77,12 +78,13 @@ class OuterGroup:
         self._layout = [(p.shape, p.dtype, p.device) for p in params]
         self._storage = [p.data_ptr() for p in params]
         self.numel = sum(p.numel() for p in params)
-        self.reduce_in_place = reduce_in_place and store is not None
+        self.reduce_in_place = reduce_in_place
         first = params[0]
         self.acquired = False
         if store is None:
             self.flat = torch.zeros(PAYLOAD_COPIES[payload] * self.numel, dtype=first.dtype, device=first.device)
-            self.buffers = ExchangeBuffers(index=index, flat=self.flat, comm=torch.zeros_like(self.flat))
+            comm = self.flat if reduce_in_place else torch.zeros_like(self.flat)
+            self.buffers = ExchangeBuffers(index=index, flat=self.flat, comm=comm)
             self.anchors = [p.detach().clone() for p in params] if payload != "x" else []  # LocalSGD's x: none
         else:
             self.flat = first.new_empty(0)
@@ -415,7 +417,7 @@ class OuterExchange:
             group.pinned = []  # the previous exchange's works were waited on (and let go of) long ago
             value = group.flat
             for edge in stages[:overlapped]:
-                value = self._stage(group, edge, value, round_)
+                value = self._stage(group, edge, value, round_, last=False)
             works.append(self._post(group, stages[overlapped], value))
             values.append(value)
         return InFlight(fragment, round_, values, works)
@@ -427,15 +429,14 @@ class OuterExchange:
         round_ = exchange.round
         stages, overlapped = self.topology.edges(round_), self.topology.async_stage(round_)
         mixed = []
+        last = len(stages) - 1
         for group, value, works in zip(exchange.fragment.groups, exchange.values, exchange.works):
             self._wait(group, works, value, round_, stages[overlapped])
-            pair_alone = len(stages) == 1 and stages[0].size == 2 and group.buffers.compressed is None
-            if group.store is not None and pair_alone:  # offload: a pair's result where it received (dropped after)
-                group.buffers.staged = group.buffers.comm
             group.bring_in_others(stages[overlapped])
-            value = self.exchanger.finish(group.buffers, stages[overlapped], value)
-            for edge in stages[overlapped + 1 :]:
-                value = self._stage(group, edge, value, round_)
+            value = self.exchanger.finish(group.buffers, stages[overlapped], value,
+                                          self._into(group, value, overlapped == last))
+            for k in range(overlapped + 1, len(stages)):
+                value = self._stage(group, stages[k], value, round_, k == last)
             mixed.append(value)
         exchange.mixed = mixed
         return mixed
@@ -464,11 +465,26 @@ class OuterExchange:
             for group in fragment.groups:
                 _LINGERING[id(group)] = list(group.pinned)
 
-    def _stage(self, group: OuterGroup, edge: Edge, value: Tensor, round_: int) -> Tensor:
+    def _stage(self, group: OuterGroup, edge: Edge, value: Tensor, round_: int, last: bool) -> Tensor:
         works = self._post(group, edge, value)
         self._wait(group, works, value, round_, edge)
         group.bring_in_others(edge)
-        return self.exchanger.finish(group.buffers, edge, value)
+        return self.exchanger.finish(group.buffers, edge, value, self._into(group, value, last))
+
+    @staticmethod
+    def _into(group: OuterGroup, value: Tensor, last: bool) -> Tensor:
+        """Where a stage's result goes: into one of the two buffers it is computed from, never a third (``staged``,
+        the engine's, would be a third payload-sized buffer: audit D7). Both are this group's own (each fragment has
+        its own), and the stage's messages were waited for, so nothing still reads what was sent.
+
+        - The round's last stage, uncompressed: ``comm``. Nothing receives into it again before this fragment's next
+          exchange starts, and the result is read before that: by the outer step, which finishes the exchange
+          (Streaming's delayed one too) and consumes the result at once; a checkpoint taken before copies it.
+        - An earlier stage: ``value`` (``flat``), in place, as the next stage receives into ``comm`` while it sends
+          this result.
+        - Compressed (no ``comm``): ``value``, in place, as the engine mixes; the message was encoded apart, so
+          ``flat`` is not posted. ``fill`` rewrites ``flat`` at the next start."""
+        return group.buffers.comm if last and group.buffers.compressed is None else value
 
     def _wait(self, group: OuterGroup, works: list[Any], value: Tensor, round_: int, edge: Edge) -> None:
         if works and self.exchanger.point_to_point:

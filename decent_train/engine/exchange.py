@@ -35,9 +35,10 @@ MESSAGE_TAGS = 1 << 16  # p2p tags per bucket: message i of bucket b is tagged b
 @dataclass(kw_only=True)
 class ExchangeBuffers:
     """A bucket's memory for its exchanges. ``flat`` holds the values exchanged (the parameters'), ``comm`` receives
-    the neighbours' values (a pair's) or their sum (a group's), and is empty with compression; ``staged`` (rounds of
-    several stages, allocated when first needed) holds the result of the stages done so far; ``compressed``, with
-    compression, the public copies.
+    the neighbours' values (a pair's) or their sum (a group's), and is empty with compression; ``staged`` (the
+    engine's rounds of several stages, allocated when first needed; the outer exchange writes its results into
+    ``flat`` or ``comm`` instead) holds the result of the stages done so far; ``compressed``, with compression, the
+    public copies.
 
     ``comm_anchor`` is a view that keeps a second reference to ``comm`` (``flat`` has the parameters' views): gloo's
     worker thread may drop an asynchronous collective's work last, and releasing a tensor's last reference there takes
@@ -188,15 +189,16 @@ class Exchanger:
         neighbor = 1.0 / edge.size if edge.is_uniform else edge.neighbor_weight
         return (0.0 if edge.is_uniform else edge.weight - neighbor), neighbor
 
-    def finish(self, bucket: ExchangeBuffers, edge: Edge, value: Tensor) -> Tensor:
-        """A stage's result, into ``staged``, or reduced in place, ``value`` itself (the parameters themselves change
-        only at the mix)."""
+    def finish(self, bucket: ExchangeBuffers, edge: Edge, value: Tensor, into: Tensor | None = None) -> Tensor:
+        """A stage's result, into ``staged`` (the engine's: its ``flat`` is the parameters, which change only at the
+        mix), or ``into``: ``value`` itself or ``comm`` (the outer exchange's buffers are copies, see
+        outer_exchange.py); or reduced in place, ``value`` itself."""
         if edge.size == 1:
             return value
         own, other = self.coefficients(edge)
         if bucket.comm is value:  # a uniform group reduced in place (own = 0): the sum is the value's own memory
             return value.mul_(other)
-        out = bucket.staging()
+        out = into if into is not None else bucket.staging()
         if bucket.compressed is not None:
             bucket.compressed.mix(value, out, edge, self.received(bucket, edge), self.consensus_step)
             return out
