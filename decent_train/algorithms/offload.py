@@ -2,7 +2,7 @@
 it moves.
 
 Why: kept on the device for the whole run, the anchors, the exchange buffers, CHOCO's public copies and the outer
-optimizer's momentum cost 4x to ~15x the model (audit R6): an OOM for exactly the large models DiLoCo is for.
+optimizer's momentum cost 3x to about 13x the model (audit R6; scripts/BENCHMARKS.md): an OOM for exactly the large models DiLoCo is for.
 torchft keeps the anchors in pinned host memory. With ``offload`` the front's state lives in host memory (pinned
 where CUDA is present), and the device holds only what the fragment whose exchange is in flight sends and receives:
 its payload (and a receive buffer where a pair or compression needs one, and this worker's public copies for the
