@@ -219,6 +219,14 @@ def alive(pid: int) -> bool:
         return False
 
 
+def stopped(pid: int) -> bool:
+    """Stopped (state T: SIGSTOP, or a test hook's SIGSTOP of itself)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
 def manifests(run_dir: Path) -> dict[Path, int]:
     """Directory -> world size of every complete checkpoint."""
     return {m.parent: json.loads(m.read_text())["world_size"] for m in run_dir.glob("checkpoints/step_*/manifest.json")}

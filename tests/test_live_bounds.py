@@ -23,19 +23,11 @@ import pytest
 from decent_train.training.live import PAUSE_ENV, RECORD_FLOOR_S
 from decent_train.training.live_changes import HANG_AT_ENV
 
-from .test_elastic import alive
+from .test_elastic import alive, stopped
 from .test_live_launcher import Ready, Signal, Watch, check_trained_to_the_end, launch
 
 PAUSE_AT = 200  # a record step (logger.log_every=10) that also measures consensus (10) and evaluates (100)
 COMM_TIMEOUT_S = 120
-
-
-def _stopped(pid: int) -> bool:
-    """The process is in state T (stopped)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
-    except (FileNotFoundError, IndexError):
-        return False
 
 
 def _started(member: int) -> Ready:
@@ -68,7 +60,7 @@ def test_a_member_killed_inside_a_record_collective_costs_seconds_not_comm_timeo
     def inside_the_collective(watch: Watch) -> bool:
         """Member 2 stopped for a second: the others are in the step's first collective, waiting for it."""
         pid = watch.workers().get(2)
-        if pid is None or not _stopped(pid):
+        if pid is None or not stopped(pid):
             return False
         stopped_since.append(time.monotonic())
         return stopped_since[-1] - stopped_since[0] > 1.0
@@ -108,7 +100,7 @@ def test_a_member_paused_for_seconds_is_absorbed_without_a_change(tmp_path: Path
 
     def four_seconds_later(watch: Watch) -> bool:
         pid = watch.workers()[2]
-        return time.monotonic() - paused_at[0] > 4.0 and _stopped(pid)
+        return time.monotonic() - paused_at[0] > 4.0 and stopped(pid)
 
     run = launch(tmp_path, signals=[Signal(pause_now, signal.SIGSTOP, [2]),
                                     Signal(four_seconds_later, signal.SIGCONT, [2])])

@@ -28,7 +28,7 @@ from decent_train.engine import reconfigure
 from decent_train.training.live_changes import STOP_BEFORE_COMMIT_ENV
 
 from .jobs import COMMAND, records
-from .test_elastic import alive
+from .test_elastic import alive, stopped
 
 pytestmark = pytest.mark.skipif(not reconfigure.supported(), reason="live membership needs torch >= 2.14")
 
@@ -80,12 +80,10 @@ def at_step(step: int) -> Ready:
 def joining(member: int) -> Ready:
     """``member``, a joiner, has its donor's state and stopped itself before it commits
     (``STOP_BEFORE_COMMIT_ENV``, set by the caller): killing it now kills a worker that is not in yet."""
-    def stopped(watch: Watch) -> bool:
+    def ready(watch: Watch) -> bool:
         pid = watch.workers().get(member)
-        with contextlib.suppress(OSError, IndexError):
-            return pid is not None and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
-        return False
-    return stopped
+        return pid is not None and stopped(pid)
+    return ready
 
 
 @dataclass

@@ -34,7 +34,8 @@ from decent_train.training.live import HEARTBEAT_S, PAUSE_ENV
 
 from .jobs import COMMAND, records
 from .netns import Network, Node, nodes, nodes_available
-from .test_live_nodes import STOPPED_S, Cluster, _member_pid, _records_written, _stopped
+from .test_elastic import stopped
+from .test_live_nodes import STOPPED_S, Cluster, _member_pid, _records_written
 
 REASON = nodes_available()
 DETECT_S = 2.0
@@ -155,7 +156,7 @@ def _run(tmp_path: Path, fault: str, steps: int, inside: bool = False) -> dict[s
                     due = stopped_since is not None and time.monotonic() - stopped_since >= STOPPED_S
                     paused = next((k for k in range(3) if 2 in job.members_of(k)), None)
                     pid = None if paused is None else _member_pid(job.agents[paused].pid, 2)
-                    if stopped_since is None and pid is not None and _stopped(pid):
+                    if stopped_since is None and pid is not None and stopped(pid):
                         stopped_since = time.monotonic()
                 else:
                     due = len(past) >= 2 and time.monotonic() >= first_seen[past[1]] + (

@@ -34,7 +34,7 @@ from decent_train.launcher.coordinator import Coordinator, NodeKeys
 from decent_train.training.live import HEARTBEAT_S, MEMBER_ENV, PAUSE_ENV, Keys, Plan
 
 from .jobs import COMMAND, records
-from .test_elastic import alive
+from .test_elastic import alive, stopped
 
 DETECT_S = 0.5
 
@@ -459,12 +459,6 @@ def _member_pid(agent_pid: int, member: int) -> int | None:
     return None
 
 
-def _stopped(pid: int) -> bool:
-    with contextlib.suppress(OSError, IndexError):
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
-    return False
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not reconfigure.supported(), reason="live membership needs torch >= 2.14")
 @pytest.mark.parametrize("inside", [None, "gather", "evaluation"],
@@ -498,7 +492,7 @@ def test_a_node_killed_anywhere_in_the_step_costs_the_survivors_under_5_s(
                     due = cluster.last_step() >= KILL_AT
                 else:
                     pid = _member_pid(cluster.agents[victim].pid, 2)
-                    if stopped_since is None and pid is not None and _stopped(pid):
+                    if stopped_since is None and pid is not None and stopped(pid):
                         stopped_since = time.monotonic()
                     due = stopped_since is not None and time.monotonic() - stopped_since >= STOPPED_S
                 if due:
