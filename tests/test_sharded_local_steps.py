@@ -68,8 +68,9 @@ def _whole(rank: int, world_size: int, shard: int, kind: str) -> dict[str, Any]:
             inner.step()
             inner.zero_grad()
         anchors = [a.clone() for a in front.anchors()]
+        sent = front.bytes_per_inner_step()
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "anchors": anchors,
-            "outer_steps": front.outer_steps}
+            "outer_steps": front.outer_steps, "sent": sent, "numel": sum(p.numel() for p in model.parameters())}
 
 
 @pytest.mark.parametrize("kind", ["diloco", "streaming", "localsgd", "gossip-bf16"])
@@ -89,6 +90,8 @@ def test_sharded_replicas_equal_whole_model_workers(kind: str) -> None:
         assert len(result["anchors"]) == len(want["anchors"]) == (6 if kind in ("diloco", "streaming") else 0)
         if kind == "gossip-bf16":  # compressed indeed: the pair sends its shard once, in bf16 (2 bytes an element)
             assert result["sent"] == 2 * result["numel"]
+        else:  # the whole-model worker's payload, cut to the shard: the ring of 2 replicas sends the delta alone
+            assert result["sent"] == pytest.approx(want["sent"] * result["numel"] / want["numel"]), (result, want)
         for mine, theirs in zip(result["anchors"], want["anchors"]):
             rows = torch.chunk(theirs, shard, dim=0)[rank % shard]
             assert mine.shape == rows.shape and (mine - rows).abs().max().item() <= TOLERANCE

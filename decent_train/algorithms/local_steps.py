@@ -41,7 +41,7 @@ from decent_train.algorithms.offload import (
     HostStore, OuterStateHome, check_offload, held_bytes_by_place, resolve_offload,
 )
 from decent_train.algorithms.outer_exchange import (
-    Fragment, InFlight, OuterExchange, OuterGroup, ParameterRun, one_uniform_group, payload_kind,
+    Fragment, InFlight, OuterExchange, OuterGroup, ParameterRun, one_uniform_group, payload_kind, replicas,
     split_parameters,
 )
 from decent_train.engine.compress import Compressor, check_consensus_step, make_compressor
@@ -173,7 +173,7 @@ class DiLoCo:
         store = HostStore(device) if self.offloaded else None
         self.store = store
         # one all-reduce of all workers (a worker alone is one too), not a pair's swap: reduced in its own buffer
-        in_place = not fault_tolerant and self.topology.world_size != 2 and one_uniform_group(self.topology)
+        in_place = not fault_tolerant and replicas(self.topology) != 2 and one_uniform_group(self.topology)
         self.fragments: list[Fragment] = []
         names = {id(p): name for name, p in named}
         for params in parts:

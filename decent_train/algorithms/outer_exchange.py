@@ -31,10 +31,10 @@ from decent_train.engine.comm import CommWaits, PairPoster, first_line, peers_mu
 from decent_train.engine.compress import CompressedGossip, Compressor
 from decent_train.engine.exchange import MESSAGE_TAGS, ExchangeBuffers, Exchanger, PeerMessages
 from decent_train.engine.membership import Membership, local_part
-from decent_train.engine.topology import Edge, Topology
+from decent_train.engine.topology import Edge, ShardedTopology, Topology
 
 __all__ = ["OuterGroup", "ParameterRun", "Fragment", "InFlight", "OuterExchange", "split_parameters", "payload_kind",
-           "one_uniform_group"]
+           "one_uniform_group", "replicas"]
 
 PAYLOAD_COPIES = {"x": 1, "x+anchor": 2, "delta": 1}
 
@@ -46,10 +46,16 @@ def payload_kind(anchored: bool, topology: Topology, compressed: bool) -> str:
     return "delta" if one_uniform_group(topology) and not compressed else "x+anchor"
 
 
+def replicas(topology: Topology) -> int:
+    """How many copies of the model a round mixes: the replicas of a sharded topology (each edge joins one shard
+    position's ranks), else the workers."""
+    return topology.base.world_size if isinstance(topology, ShardedTopology) else topology.world_size
+
+
 def one_uniform_group(topology: Topology) -> bool:
-    """Whether every round is one stage: all workers, weighted alike (an all-reduce's mean)."""
+    """Whether every round is one stage: all workers (all replicas), weighted alike (an all-reduce's mean)."""
     return all(
-        len(stages) == 1 and stages[0].size == topology.world_size and stages[0].is_uniform
+        len(stages) == 1 and stages[0].size == replicas(topology) and stages[0].is_uniform
         for stages in (topology.edges(r) for r in range(topology.period))
     )
 
