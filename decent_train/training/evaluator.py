@@ -66,13 +66,9 @@ def _in_lockstep(
     last, seen = None, 0
     for _ in range(int(most.item())):  # the one host sync
         batch = next(batches, None)
-        if batch is not None:
-            last, seen = batch, seen + 1
-            yield (*batch, True)
-        elif last is not None:
-            yield (*last, False)
-        else:
-            raise _no_batch()
+        seen += batch is not None
+        last, counts = _or_last(batch, last)
+        yield (*last, counts)
     if seen != count or next(batches, None) is not None:  # unchecked, batches would go unevaluated or uncounted
         yields = f"only {seen}" if seen < count else "more"
         raise RuntimeError(f"rank {dist.get_rank()}'s dataset counts {count} evaluation batches (eval_batch_count) "
@@ -91,18 +87,19 @@ def _flagged_in_lockstep(
         run_collective(dist.all_reduce, more, op=dist.ReduceOp.MAX, group=group)
         if not more.item():
             return
-        if batch is not None:
-            last = batch
-            yield (*batch, True)
-        elif last is not None:
-            yield (*last, False)
-        else:
-            raise _no_batch()
+        last, counts = _or_last(batch, last)
+        yield (*last, counts)
 
 
-def _no_batch() -> RuntimeError:
-    return RuntimeError(f"rank {dist.get_rank()} has no evaluation batch while its replica's others do: use at least "
-                        "one evaluation sample per worker")
+def _or_last(batch: Batch | None, last: Batch | None) -> tuple[Batch, bool]:
+    """``batch``, counted; None (this rank has run out while its replica's others have not): its last batch again,
+    not counted."""
+    if batch is not None:
+        return batch, True
+    if last is None:
+        raise RuntimeError(f"rank {dist.get_rank()} has no evaluation batch while its replica's others do: use at "
+                           "least one evaluation sample per worker")
+    return last, False
 
 
 class Evaluator:
