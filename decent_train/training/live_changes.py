@@ -45,6 +45,8 @@ class LiveTraining:
         self._recovering: tuple[Plan, dict[str, Any]] | None = None  # a change whose next step is not done yet
         self.joined = False  # this worker joined the running job (``join``)
         self.changed_at = -1  # the step of the latest change
+        member, _, step = os.environ.get(HANG_AT_ENV, "").partition(":")
+        self._hang_at = int(step) if member == str(live.id) else -1  # tests only (HANG_AT_ENV); -1: never
         job.fence = live.fence
 
     def despite_changes(self, step: int, work: Callable[[], T]) -> T:
@@ -62,7 +64,7 @@ class LiveTraining:
     def change_at(self, step: int, needs_all: bool) -> bool:
         """Whether the members change after ``step`` (see ``LiveMembership.change_at``); also closes the timing of
         the previous change, at the first step completed after it."""
-        if needs_all and os.environ.get(HANG_AT_ENV) == f"{self.live.id}:{step}":
+        if needs_all and step == self._hang_at:
             threading.Event().wait()
         self.live.step_done()
         if self._recovering is not None:
