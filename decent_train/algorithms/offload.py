@@ -2,11 +2,11 @@
 it moves.
 
 Why: kept on the device for the whole run, the anchors, the exchange buffers, CHOCO's public copies and the outer
-optimizer's momentum cost 3x to about 13x the model (audit R6; scripts/BENCHMARKS.md): an OOM for exactly the large models DiLoCo is for.
-torchft keeps the anchors in pinned host memory. With ``offload`` the front's state lives in host memory (pinned
-where CUDA is present), and the device holds only what the fragment whose exchange is in flight sends and receives:
-its payload (and a receive buffer where a pair or compression needs one, and this worker's public copies for the
-round; the peers' copies come in when their messages are mixed, at the outer step). The
+optimizer's momentum cost 3x to about 13x the model (audit R6; scripts/BENCHMARKS.md): an OOM for exactly the large
+models DiLoCo is for. torchft keeps the anchors in pinned host memory. With ``offload`` the front's state lives in
+host memory (pinned where CUDA is present), and the device holds only what the fragment whose exchange is in flight
+sends and receives: its payload (and a receive buffer where a pair or compression needs one, and this worker's
+public copies for the round; the peers' copies come in when their messages are mixed, at the outer step). The
 anchors go from host memory straight into the payload and, at the outer step, into the parameters; the outer
 optimizer's state comes in a part of a fragment at a time (local_steps.py, ``OUTER_STEP_PARTS``), is stepped and
 goes back. Streaming DiLoCo has one fragment in flight at a time, so while the inner steps run the device holds one
