@@ -93,10 +93,12 @@ class AlgorithmTraits:
     # Each worker steps its own optimizer between outer steps (diloco, localsgd): fp16's per-worker skipped steps would
     # put the workers' outer steps at different steps (a hang), and the engine's global_avg_every does not apply.
     local_steps: bool = False
+    shards: bool = False  # runs over FSDP2-sharded replicas (``parallel.shard`` > 1): algorithms/sharded.py has it
+    live: bool = False  # goes on across a live membership change (``fault_tolerance=live``): docs/fault-tolerance.md
 
 
 ALGORITHM_TRAITS: dict[str, AlgorithmTraits] = {
-    "decentralized": AlgorithmTraits(gossips=True, takes_phases=True),
+    "decentralized": AlgorithmTraits(gossips=True, takes_phases=True, shards=True, live=True),
     ALLREDUCE: AlgorithmTraits(),
 }
 
@@ -113,6 +115,11 @@ def algorithm_traits(name: str) -> AlgorithmTraits:
     if name not in ALGORITHM_TRAITS:
         raise ValueError(f"algorithm={name!r} is not an algorithm; valid: {', '.join(ALGORITHM_TRAITS)}")
     return ALGORITHM_TRAITS[name]
+
+
+def _having(trait: str) -> str:
+    """The algorithms with ``trait`` (an :class:`AlgorithmTraits` flag), for a refusal's list of valid ones."""
+    return ", ".join(name for name, traits in ALGORITHM_TRAITS.items() if getattr(traits, trait))
 
 
 @dataclass
@@ -359,10 +366,11 @@ class TrainConfig:
     def _check_live(self) -> None:
         """What ``fault_tolerance=live`` runs with in this version (each refusal names the reason)."""
         ft, launch, name = self.fault_tolerance, self.launch, self.algorithm.name
-        local_steps = name in ("diloco", "localsgd")  # their outer steps survive a change: docs/fault-tolerance.md
+        traits = algorithm_traits(name)
+        local_steps = traits.local_steps
         refusals = [
-            (name != "decentralized" and not local_steps, f"algorithm={name}: live fault tolerance runs the gossip "
-             "engine or local steps' outer steps; use algorithm=decentralized, diloco or localsgd"),
+            (not traits.live, f"algorithm={name}: live fault tolerance runs the gossip engine or local steps' outer "
+             f"steps; use algorithm={_having('live')}"),
             (local_steps and getattr(self.algorithm, "fragment_sync_delay", 0) > 0, f"algorithm={name} with "
              "algorithm.fragment_sync_delay > 0: an exchange in flight across a change is next; leave it 0"),
             (local_steps and self.compression.name != "none", f"compression={self.compression.name} with algorithm="
@@ -405,8 +413,8 @@ class TrainConfig:
         refusals = [
             (name == ALLREDUCE, f"algorithm={name}: all-reducing shards across replicas is FSDP2's HSDP "
              "(fully_shard over a 2-D mesh); use algorithm=decentralized to gossip them"),
-            (name not in ("decentralized", "diloco", "localsgd", ALLREDUCE), f"algorithm={name}: valid with "
-             "parallel.shard: decentralized (per-step gossip of the shards), diloco, localsgd"),
+            (name != ALLREDUCE and not algorithm_traits(name).shards, f"algorithm={name}: valid with "
+             f"parallel.shard: {_having('shards')}"),
             (launch.nproc_per_node is not None and launch.nproc_per_node % shard != 0,
              f"launch.nproc_per_node={launch.nproc_per_node}: a replica's workers share a node, so parallel.shard "
              f"must divide the workers per node; valid: " + ", ".join(

@@ -11,6 +11,7 @@ import pytest
 
 from decent_train.algorithms import ALGORITHMS, Algorithm, algorithm_class, register
 from decent_train.config import ALGORITHM_TRAITS, AlgorithmConfig, AlgorithmTraits, check_config
+from decent_train.engine import reconfigure
 
 
 @dataclasses.dataclass
@@ -64,3 +65,29 @@ def test_an_algorithm_registers_once(clean_registries: None) -> None:
     assert check_config({"algorithm": "toy"}).algorithm == AlgorithmConfig(name="toy")  # options: the base schema
     with pytest.raises(ValueError, match="two algorithms registered as 'toy'"):
         register("toy")(_toy_class())
+
+
+def test_the_traits_of_sharding_and_live_membership_name_the_algorithms_that_have_them() -> None:
+    """The config sits below the algorithms and reads their traits; these must agree with what is built: a
+    ``shards`` algorithm has a class over sharded replicas, a ``live`` one handles a membership change."""
+    from decent_train.algorithms.sharded import SHARDED
+
+    assert {name for name, traits in ALGORITHM_TRAITS.items() if traits.shards} == set(SHARDED)
+    live = {name for name, traits in ALGORITHM_TRAITS.items() if traits.live}
+    handles = {name for name, cls in ALGORITHMS.items() if cls.membership_changed is not Algorithm.membership_changed}
+    assert live == handles == {"decentralized", "diloco", "localsgd"}
+
+
+def test_an_algorithm_without_shards_is_refused_sharded_naming_those_with_it(clean_registries: None) -> None:
+    register("toy", traits=AlgorithmTraits(schema=_ToyConfig, gossips=True, local_steps=True))(_toy_class())
+    with pytest.raises(ValueError, match=r"^parallel.shard=2 with algorithm=toy: valid with parallel.shard: "
+                       r"decentralized, diloco, localsgd$"):
+        check_config({"algorithm": "toy", "parallel": {"shard": 2}})
+
+
+@pytest.mark.skipif(not reconfigure.supported(), reason="fault_tolerance=live is refused on this torch before this")
+def test_an_algorithm_without_live_is_refused_live_naming_those_with_it(clean_registries: None) -> None:
+    register("toy", traits=AlgorithmTraits(schema=_ToyConfig, gossips=True, local_steps=True))(_toy_class())
+    with pytest.raises(ValueError, match=r"^fault_tolerance=live with algorithm=toy: .*; use algorithm="
+                       r"decentralized, diloco, localsgd$"):
+        check_config({"algorithm": "toy", "fault_tolerance": {"name": "live"}})

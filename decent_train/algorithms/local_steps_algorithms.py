@@ -87,7 +87,8 @@ class DiLoCoConfig(LocalSGDConfig):
             raise ValueError("algorithm.nesterov=true needs algorithm.outer_momentum > 0 (or set nesterov=false)")
 
 
-_LOCAL_STEPS = dict(gossips=True, local_steps=True)  # a topology and compression apply; no phases, no fp16
+# A topology and compression apply; no phases, no fp16; sharded replicas and live membership changes run it.
+_LOCAL_STEPS = dict(gossips=True, local_steps=True, shards=True, live=True)
 
 
 class FrontAlgorithm(Algorithm):
