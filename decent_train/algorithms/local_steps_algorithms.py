@@ -67,14 +67,13 @@ class DiLoCoConfig(LocalSGDConfig):
 
     name: str = "diloco"
     # Not torchtitan's 0.7: Nesterov momentum 0.9 steps ~outer_lr / (1 - 0.9) times a steady pseudo-gradient, so 0.7
-    # moves 7x as far as the inner steps did, too far for the default job's AccumAdamW at 3e-3 (ring, H=10, seeds
-    # 0/1/2: 0.944/0.852/0.933 accuracy; 0.2: 0.981/0.972/0.986, complete 0.981/0.978/0.986). Set 0.7 with a
-    # smaller inner lr (DiLoCo's long periods and large models).
+    # moves 7x as far as the inner steps did, too far for the default job's inner optimizer (measured in
+    # docs/algorithms.md). Set 0.7 with a smaller inner lr (DiLoCo's long periods and large models).
     outer_lr: float = 0.2  # the outer optimizer's learning rate
     outer_momentum: float = 0.9  # the outer optimizer's momentum
     nesterov: bool = True  # Nesterov's momentum in the outer optimizer
     # A synced fragment keeps this share of its local parameters; 0 (torchft's default) drops the progress of the
-    # fragment_sync_delay steps taken while its exchange ran (measured: 1.1 points lower, docs/algorithms.md).
+    # fragment_sync_delay steps taken while its exchange ran (measured in docs/algorithms.md).
     fragment_update_alpha: float = 0.0
 
     def __post_init__(self) -> None:
