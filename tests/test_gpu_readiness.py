@@ -193,20 +193,29 @@ def test_gpu_waits_leave_the_host_alone_and_time_the_stream(monkeypatch: pytest.
     assert cpu_waits.seconds >= 0.05
 
 
+LATE_S = 0.5  # rank 1's sleep before each step of the stall test
+
+
 def test_engine_records_its_stall_through_the_waits() -> None:
-    """``comm_wait_seconds`` grows with a peer that is late (perf_counter on CPU): rank 1 sleeps before each step."""
+    """``comm_wait_seconds`` grows with a peer that is late (perf_counter on CPU): from a barrier on, rank 1 sleeps
+    LATE_S before each of 4 steps. Rank 0 waits for rank 1's previous step in steps 1-3: about 3 x LATE_S, less only
+    the time rank 0 itself is slowed down, so more than 1 x LATE_S leaves 2 x LATE_S for a loaded machine. Rank 1
+    waits for no one (rank 0 is LATE_S ahead at every step): under 1 x LATE_S, where its own sleeps, if counted, make
+    4 x LATE_S. The barrier: building the engine takes 3-7 s on 2 loaded cores and the ranks end it up to 0.7 s
+    apart, which rank 1's first sleeps would otherwise absorb."""
 
     def run(rank: int, world: int) -> float:
         engine = DecentralizedDataParallel(mlp(), lambda n: torch.optim.SGD([p for _, p in n], lr=0.1),
                                            topology="ring", timeout=30)
+        dist.barrier()
         for step in range(4):
             if rank == 1:
-                time.sleep(0.2)
+                time.sleep(LATE_S)
             train(engine, 1, rank, first=step)
         return engine.comm_wait_seconds
 
     stalls = run_workers(run, 2)
-    assert stalls[0] > 0.4 > stalls[1], stalls
+    assert stalls[0] > LATE_S > stalls[1], stalls
 
 
 # -- timeouts -------------------------------------------------------------------------------------------------------
