@@ -3,8 +3,8 @@ the supervisor writes into RUN_DIR/workers.json, once metrics.jsonl reaches a st
 back from its console, metrics.jsonl, result.json, workers.json and checkpoints.
 
 Each launch is the default job (4 workers, ring, 1200 steps: about 20 s on 2 cores) and each is bounded by a
-deadline: on expiry the launcher's session (its workers with it) is killed and the test fails with the console and
-the tail of every worker's log.
+deadline, a guard against a hang rather than a measurement: on expiry the launcher's session (its workers with it) is
+killed and the test fails with the console and the tail of every worker's log.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ pytestmark = pytest.mark.skipif(not reconfigure.supported(), reason="live member
 
 STEPS = 1200
 KILL_AT = 200  # the signal goes out once metrics.jsonl has a record at this step or later
-TIMEOUT_S = 180  # one launch, start to exit (20-70 s here when nothing goes wrong)
+# One launch, start to exit: 20-70 s here when nothing goes wrong; the 4 workers' start alone took 22-24 s with 2 cores
+# loaded by others (load average 9), so a deadline of a few times that only ends a hang.
+TIMEOUT_S = 480
 JOB = ["fault_tolerance=live", "launch.nproc_per_node=4", f"steps={STEPS}", "logger.progress_bar=false"]
 
 Ready = Callable[["Watch"], bool]
