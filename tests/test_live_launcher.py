@@ -262,7 +262,13 @@ def test_below_min_workers_the_run_stops_with_a_checkpoint(tmp_path: Path) -> No
                                         "".join(p.read_text() for p in (run.run_dir / "logs").glob("member*.log")))}
     assert len(stops) == 1, f"the workers' logs name stop steps {stops}\n{run}"
     (stop,) = stops
-    assert run.sent[0][0] < stop <= run.sent[0][0] + 2 * 10, f"{run}"  # the next record steps (logger.log_every=10)
+    # The stop comes at the first or second record step (logger.log_every=10) after the last one member 3 took part
+    # in: the next record step's barrier, which it never reaches, or the one after, when member 3 reached that
+    # barrier and died before its collectives (they fail, their records are skipped). Counted from that last record
+    # of 4 workers, not from the step metrics.jsonl showed right after the kill: rank 0 writes a record after the
+    # step's collectives, so on loaded cores that read can lag member 3 by a record step, and stop - read reach 30.
+    last = run.steps()[-1]
+    assert run.sent[0][0] <= last < stop <= last + 2 * 10, f"{run}"
     checkpoints = complete_checkpoints(run.run_dir)
     assert checkpoints and checkpoints[0].step == stop, f"{[c.step for c in checkpoints]}\n{run}"
     assert run.steps()[-1] < stop and set(run.members()) == {4}, f"{run}"  # nothing recorded by 3 workers
