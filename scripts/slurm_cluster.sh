@@ -7,7 +7,9 @@
 #   scripts/slurm_cluster.sh stop DIR          # stop them by PID
 #
 # Every client (sbatch, squeue, scontrol, srun) must see SLURM_CONF=DIR/slurm.conf: without it they look for a
-# cluster in DNS. Exit status 3 from `install` means the packages cannot be installed here.
+# cluster in DNS. Exit status 3 from `install` (or `start`) means SLURM cannot be had here: not root, no apt-get, or
+# no package source (apt-get has no package lists, even after an update); 4 means apt-get tried to install the
+# packages and failed (the end of its output on stderr): a broken install, not a machine without SLURM.
 set -euo pipefail
 
 PACKAGES=(slurmctld slurmd slurm-client munge)
@@ -21,10 +23,19 @@ install() {
     echo "slurm_cluster.sh: installing ${PACKAGES[*]} needs root and apt-get" >&2
     exit 3
   fi
-  if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-    "${PACKAGES[@]}"; } >/dev/null 2>&1; then
-    echo "slurm_cluster.sh: apt-get could not install ${PACKAGES[*]}" >&2
+  local updated installed LISTS
+  updated=$(apt-get update -qq 2>&1) || true  # not final: lists from an earlier update may still hold the packages
+  eval "$(apt-config shell LISTS Dir::State::lists/d)"  # /var/lib/apt/lists/ by default
+  if ! compgen -G "${LISTS:-/var/lib/apt/lists/}*_Packages*" >/dev/null; then
+    echo "slurm_cluster.sh: apt-get has no package source (no package lists after apt-get update)" >&2
+    [ -z "$updated" ] || tail -n 20 <<<"$updated" >&2
     exit 3
+  fi
+  if ! installed=$(DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    "${PACKAGES[@]}" 2>&1); then
+    echo "slurm_cluster.sh: apt-get could not install ${PACKAGES[*]}; the end of apt-get's output:" >&2
+    printf '%s\n%s\n' "$updated" "$installed" | grep -v '^$' | tail -n 25 >&2 || true
+    exit 4
   fi
 }
 
