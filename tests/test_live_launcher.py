@@ -258,6 +258,7 @@ def test_below_min_workers_the_run_stops_with_a_checkpoint(tmp_path: Path) -> No
     naming = [line for line in run.console.splitlines() if "fault_tolerance.min_workers" in line]
     assert len(naming) == 1, f"{len(naming)} lines name fault_tolerance.min_workers\n{run}"
     assert "Traceback" not in run.console, f"{run}"
+    assert "did not exit within" not in run.console, f"the survivors stopped on purpose, not overdue\n{run}"
     stops = {int(s) for s in re.findall(r"worker\(s\) left at step (\d+); stopped with a checkpoint",
                                         "".join(p.read_text() for p in (run.run_dir / "logs").glob("member*.log")))}
     assert len(stops) == 1, f"the workers' logs name stop steps {stops}\n{run}"

@@ -64,6 +64,7 @@ class _Worker:
     beats: int = 0
     last_beat: float = 0.0
     ended: bool = False  # its end (lost or done) is reported
+    stopped_at_end: bool = False  # killed when the run ended: on purpose, not overdue
 
 
 class NodeAgent:
@@ -285,7 +286,7 @@ class NodeAgent:
         for worker in self.workers.values():
             finished = worker.done or self.store.check([Keys.done(worker.id)])
             if worker.process.poll() is None and (kill or not finished):
-                worker.ended = True  # not a loss: the run is over
+                worker.ended = worker.stopped_at_end = True  # not a loss: the run is over
                 worker.process.kill()
         self.ending = time.monotonic() + (0.0 if kill else self.cfg.comm_timeout_s + self.ft.detect_s)
 
@@ -295,8 +296,9 @@ class NodeAgent:
         if running and time.monotonic() < self.ending:
             return
         for worker in running:
-            logger.warning(f"member {worker.id} finished training but did not exit within comm_timeout_s + "
-                           "fault_tolerance.detect_s: killed")
+            if not worker.stopped_at_end:  # else it is killed, only not reaped yet
+                logger.warning(f"member {worker.id} finished training but did not exit within comm_timeout_s + "
+                               "fault_tolerance.detect_s: killed")
         self.kill_all()
         self.ended.set()
         with contextlib.suppress(RuntimeError, dist.DistError):
