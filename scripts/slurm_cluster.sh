@@ -8,8 +8,9 @@
 #
 # Every client (sbatch, squeue, scontrol, srun) must see SLURM_CONF=DIR/slurm.conf: without it they look for a
 # cluster in DNS. Exit status 3 from `install` (or `start`) means SLURM cannot be had here: not root, no apt-get, or
-# no package source (apt-get has no package lists, even after an update); 4 means apt-get tried to install the
-# packages and failed (the end of its output on stderr): a broken install, not a machine without SLURM.
+# no package source (apt-get has no package lists, or its update and install both failed); 4 means apt-get reached
+# its sources and failed to install the packages (the end of its output on stderr): a broken install, not a machine
+# without SLURM.
 set -euo pipefail
 
 PACKAGES=(slurmctld slurmd slurm-client munge)
@@ -23,8 +24,8 @@ install() {
     echo "slurm_cluster.sh: installing ${PACKAGES[*]} needs root and apt-get" >&2
     exit 3
   fi
-  local updated installed LISTS
-  updated=$(apt-get update -qq 2>&1) || true  # not final: lists from an earlier update may still hold the packages
+  local updated installed LISTS reached=1
+  updated=$(apt-get update -qq 2>&1) || reached=0  # not final: lists from an earlier update may hold the packages
   eval "$(apt-config shell LISTS Dir::State::lists/d)"  # /var/lib/apt/lists/ by default
   if ! compgen -G "${LISTS:-/var/lib/apt/lists/}*_Packages*" >/dev/null; then
     echo "slurm_cluster.sh: apt-get has no package source (no package lists after apt-get update)" >&2
@@ -35,6 +36,8 @@ install() {
     "${PACKAGES[@]}" 2>&1); then
     echo "slurm_cluster.sh: apt-get could not install ${PACKAGES[*]}; the end of apt-get's output:" >&2
     printf '%s\n%s\n' "$updated" "$installed" | grep -v '^$' | tail -n 25 >&2 || true
+    # An update that failed too: the package source is out of reach (an offline machine with old lists), not broken.
+    [ "$reached" = 1 ] || { echo "slurm_cluster.sh: apt-get update failed: no package source reachable" >&2; exit 3; }
     exit 4
   fi
 }
