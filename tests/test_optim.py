@@ -2,7 +2,8 @@
 
 Every check compares against an independent oracle: decent-dp 0.2.3 (the baseline whose
 behaviour we match), torch's own Adam/AdamW/LR schedulers, or a separately stepped
-optimizer.  CPU, float64.
+optimizer.  CPU, float64; the memory of a step is observed through the allocator's
+events in torch's profiler, and the meta device stands in for an accelerator.
 """
 
 from __future__ import annotations
@@ -135,6 +136,74 @@ def test_gradient_not_mutated(ours_cls: type) -> None:
     opt.step()
     for p, g in zip(params, grads):
         assert torch.equal(p.grad, g)
+
+
+def peak_new_bytes(fn: Callable[[], object]) -> int:
+    """The most bytes that ``fn`` held at once of what it allocated, as the CPU allocator reports each allocation and
+    free to the profiler: an observation of the memory itself, whatever the code that runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):  # stable: ties keep the order they were recorded in
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def test_peak_new_bytes_sees_allocations() -> None:
+    """The instrument of the next test sees a known allocation, and nothing where nothing is allocated."""
+    assert peak_new_bytes(lambda: torch.zeros(1000, dtype=torch.float32)) >= 4000
+    assert peak_new_bytes(lambda: None) == 0
+
+
+@pytest.mark.parametrize(
+    ("ours_cls", "weight_decay"),
+    [(AccumAdamW, 0.1), (AccumAdam, 0.1), (AccumAdam, 0.0)],
+    ids=["AccumAdamW-decoupled", "AccumAdam-L2", "AccumAdam-no-decay"],
+)
+def test_step_temporaries_at_most_one_parameter_set(ours_cls: type, weight_decay: float) -> None:
+    """AccumAdamW is the inner optimizer of the fronts over the whole model: what a step allocates besides its state
+    raises peak device memory, so it may hold at most one parameter-sized set of temporaries (plus scalars)."""
+    shapes = [(1024, 512), (512,), (256, 1024), (3,)]
+    params = [nn.Parameter(torch.randn(shape)) for shape in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = ours_cls(params, lr=1e-2, weight_decay=weight_decay, accum_iter=2)
+    opt.step()  # creates the state, which stays
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+
+    peak = peak_new_bytes(lambda: (opt.step(), opt.step()))  # one step that refreshes the moments, one that does not
+    assert peak <= param_bytes + 64 * 1024, (
+        f"{ours_cls.__name__}(weight_decay={weight_decay}): a step held {peak} bytes of temporaries at once, "
+        f"{peak / param_bytes:.2f}x the parameters' {param_bytes}"
+    )
+
+
+@pytest.mark.parametrize("ours_cls", [AccumAdam, AccumAdamW])
+def test_step_count_stays_on_cpu_beside_device_params(ours_cls: type) -> None:
+    """Every step reads ``int(state["step"])`` to batch the params: beside params on an accelerator the count must be
+    a CPU tensor, or each step would wait for the device. The meta device stands in for one here; the count stays on
+    the CPU through steps and through ``load_state_dict``, which moves the rest of a saved state to the params."""
+    params = [nn.Parameter(torch.empty(shape, device="meta")) for shape in SHAPES]
+    cpu_params = as_params(make_tensors(seed=12))
+    for p, q in zip(params, cpu_params):
+        p.grad, q.grad = torch.empty_like(p), torch.ones_like(q)
+    opt, cpu_opt = ours_cls(params, weight_decay=0.1, accum_iter=2), ours_cls(cpu_params, weight_decay=0.1)
+    for _ in range(3):
+        opt.step()
+        cpu_opt.step()
+    assert all(opt.state[p]["step"].device.type == "cpu" and int(opt.state[p]["step"]) == 3 for p in params)
+
+    loaded = ours_cls(params, weight_decay=0.1)
+    loaded.load_state_dict(cpu_opt.state_dict())
+    loaded.step()
+    for p in params:
+        state = loaded.state[p]
+        assert state["exp_avg"].device.type == "meta"
+        assert state["step"].device.type == "cpu" and int(state["step"]) == 4
 
 
 # --------------------------------------------------------------------------------------

@@ -109,28 +109,45 @@ def _accum_adam_foreach(
     ``exp_avgs`` / ``exp_avg_sqs`` hold β1·m and β2·v of the last refresh, so the
     moments used this step are one EMA update with the current gradient away.
     Every ``accum_iter`` steps they are refreshed from the mean gradient ``accum_grads``.
+
+    The fronts run this over the whole model, so its temporaries count in peak memory: it
+    allocates one parameter-sized set, the denominators.  The numerator is never formed:
+    ``m̃ + (1-β1)g`` over ``d`` is applied as two ``addcdiv_`` with the same ``d``, and
+    L2's ``g + λx`` lives in the denominators' buffer until it is squared (scaled by
+    ``sqrt(1-β2)`` first, so that a half-precision square overflows no sooner than the sum
+    it joins); its ``λx`` part of the numerator is applied first, while ``x`` is still the
+    old ``x``.  As in the Adam paper's efficient form, ``1/sqrt(1-β2^c)`` moves from ``d``
+    into the step size, which saves a pass.
     """
-    if weight_decay != 0.0:
-        if decoupled:
-            torch._foreach_mul_(params, 1.0 - lr * weight_decay)
-        else:
-            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    l2 = weight_decay != 0.0 and not decoupled
+    if weight_decay != 0.0 and decoupled:
+        torch._foreach_mul_(params, 1.0 - lr * weight_decay)
 
-    torch._foreach_add_(accum_grads, grads, alpha=1.0 / accum_iter)
-
-    # Moments of this step: the stored (pre-scaled) estimates plus the current gradient.
-    exp_avgs_now = torch._foreach_add(exp_avgs, grads, alpha=1.0 - beta1)
-    denoms = torch._foreach_addcmul(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+    # Second moment of this step: the stored (pre-scaled) estimate plus the current gradient.
+    if l2:
+        denoms = torch._foreach_add(grads, params, alpha=weight_decay)  # g + λx
+        torch._foreach_add_(accum_grads, denoms, alpha=1.0 / accum_iter)
+        torch._foreach_mul_(denoms, math.sqrt(1.0 - beta2))
+        torch._foreach_mul_(denoms, denoms)
+        torch._foreach_add_(denoms, exp_avg_sqs)
+    else:
+        torch._foreach_add_(accum_grads, grads, alpha=1.0 / accum_iter)
+        denoms = torch._foreach_addcmul(exp_avg_sqs, grads, grads, value=1.0 - beta2)
 
     # Bias correction counts moment refreshes, not steps: ceil(step / accum_iter).
+    # x -= lr/bc1 · m̂ / (sqrt(v̂)/sqrt(bc2) + eps)  ==  x -= step_size · m̂ / (sqrt(v̂) + eps·sqrt(bc2)).
     refreshes = (step + accum_iter - 1) // accum_iter
     bias_correction1 = 1.0 - beta1**refreshes
-    bias_correction2 = 1.0 - beta2**refreshes
+    bias_correction2_sqrt = math.sqrt(1.0 - beta2**refreshes)
+    step_size = lr * bias_correction2_sqrt / bias_correction1
 
     torch._foreach_sqrt_(denoms)
-    torch._foreach_div_(denoms, math.sqrt(bias_correction2))
-    torch._foreach_add_(denoms, eps)
-    torch._foreach_addcdiv_(params, exp_avgs_now, denoms, value=-lr / bias_correction1)
+    torch._foreach_add_(denoms, eps * bias_correction2_sqrt)
+    # m̂ = m̃ + (1-β1)(g [+ λx]), one term at a time (elementwise, so x may be its own input).
+    if l2:
+        torch._foreach_addcdiv_(params, params, denoms, value=-step_size * (1.0 - beta1) * weight_decay)
+    torch._foreach_addcdiv_(params, exp_avgs, denoms, value=-step_size)
+    torch._foreach_addcdiv_(params, grads, denoms, value=-step_size * (1.0 - beta1))
 
     if step % accum_iter == 0:
         torch._foreach_add_(exp_avgs, accum_grads, alpha=1.0 - beta1)
