@@ -38,8 +38,8 @@ class PendingExchange:
 class Bucket(ExchangeBuffers):
     """Parameters of one dtype and device that mix, step and exchange together (the exchange's buffers: the base
     class). ``flat`` holds the parameter values: the parameters are views of it with ``param_as_bucket_view``;
-    otherwise it is a staging copy. ``grads`` (all-reduce mode) holds the gradients being averaged, allocated when
-    first needed.
+    otherwise it is a staging copy. ``grads`` (all-reduce mode) holds the gradients being averaged, and ``comm``
+    (gossip) what the neighbours send, each allocated when first needed (``comm``: ``allocate_comm``).
     """
 
     names: list[str]
@@ -56,6 +56,14 @@ class Bucket(ExchangeBuffers):
     @property
     def complete(self) -> bool:
         return self.ready == len(self.params)
+
+    def allocate_comm(self) -> None:
+        """The receive buffer, made once, before the first mode that receives into it (gossip without compression
+        over a group of two or more). Until then ``comm`` is empty: at world size one, in all-reduce mode and with
+        compression nothing arrives there, and a bucket-sized buffer would cost as much memory as the parameters."""
+        if self.comm.numel() != self.flat.numel():
+            self.comm = torch.zeros_like(self.flat)
+            self.comm_anchor = self.comm.view_as(self.comm)
 
     def has_grads(self) -> bool:
         return any(p.grad is not None for p in self.params)
@@ -146,21 +154,21 @@ def _make_bucket(
         offsets.append(total)
         total += _aligned(p.numel())
     flat = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
-    # Compressed gossip receives into its own (smaller) messages: no float copy of the bucket to receive into.
-    comm = flat.new_zeros(0) if compressed else torch.zeros_like(flat)
     views = [slice_like(flat, o, p) for o, p in zip(offsets, params)]
     torch._foreach_copy_(views, [p.data for p in params])
     if param_as_bucket_view:
         for p, view in zip(params, views):
             p.data = view
     optimizer = optim_fn(list(zip(names, params)))
+    scheduler = lr_scheduler_fn(optimizer) if lr_scheduler_fn is not None else None
+    bucket = Bucket(
+        index=index, flat=flat, comm=flat.new_zeros(0), names=names, params=params, views=views, optimizer=optimizer,
+        scheduler=scheduler,
+    )
     if hasattr(optimizer, "pre_average_hook"):  # decent-dp's extension point reads the received values here
         if compressed:
             raise ValueError("compression: an optimizer with decent-dp's pre_average_hook reads uncompressed values")
+        bucket.allocate_comm()  # now: its slices are handed out once, and a rebuilt ``comm`` would orphan them
         for p, offset in zip(params, offsets):
-            p.comm_buffer = slice_like(comm, offset, p)  # type: ignore[attr-defined]
-    scheduler = lr_scheduler_fn(optimizer) if lr_scheduler_fn is not None else None
-    return Bucket(
-        index=index, flat=flat, comm=comm, comm_anchor=comm.view_as(comm), names=names, params=params, views=views,
-        optimizer=optimizer, scheduler=scheduler,
-    )
+            p.comm_buffer = slice_like(bucket.comm, offset, p)  # type: ignore[attr-defined]
+    return bucket

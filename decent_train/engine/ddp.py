@@ -241,18 +241,19 @@ class DecentralizedDataParallel(nn.Module):
             return AllReduceMode(self._context, start)
         built = self._members.topology(topology)
         if built.is_staged and any(hasattr(b.optimizer, "pre_average_hook") for b in self._buckets):
-            raise ValueError(
-                f"topology '{built.name}' has rounds of several stages; an optimizer with decent-dp's "
-                "pre_average_hook supports only one-stage rounds"
-            )
+            raise ValueError(f"topology '{built.name}' has rounds of several stages; an optimizer with decent-dp's "
+                             "pre_average_hook supports only one-stage rounds")
         return GossipMode(self._context, built, start, self._consensus_step)
 
     def _start_compression(self, identical: bool) -> None:
         """With compression, each bucket's copies for the current mode's rounds: the parameters where they are equal
-        on every worker (at construction), zero otherwise; either way equal wherever they are held."""
+        on every worker (at construction), zero otherwise; either way equal wherever they are held. Without, a gossip
+        mode that exchanges receives into ``comm``: it is allocated for the first such mode (buckets.py)."""
         if self._compressor is None or not isinstance(self._mode, GossipMode):
             for bucket in self._buckets:
                 bucket.compressed = None
+                if isinstance(self._mode, GossipMode) and self._mode.groups():
+                    bucket.allocate_comm()
             if self._compressor is not None and self._members.rank == 0:
                 logger.info("DecentralizedDataParallel: all-reduce mode averages full-precision gradients "
                             f"({self._compressor.name} compression applies to gossip)")

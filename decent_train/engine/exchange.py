@@ -35,10 +35,10 @@ MESSAGE_TAGS = 1 << 16  # p2p tags per bucket: message i of bucket b is tagged b
 @dataclass(kw_only=True)
 class ExchangeBuffers:
     """A bucket's memory for its exchanges. ``flat`` holds the values exchanged (the parameters'), ``comm`` receives
-    the neighbours' values (a pair's) or their sum (a group's), and is empty with compression; ``staged`` (the
-    engine's rounds of several stages, allocated when first needed; the outer exchange writes its results into
-    ``flat`` or ``comm`` instead) holds the result of the stages done so far; ``compressed``, with compression, the
-    public copies.
+    the neighbours' values (a pair's) or their sum (a group's), and is empty with compression (in the engine, until a
+    mode receives into it: buckets.py); ``staged`` (the engine's rounds of several stages, allocated when first
+    needed; the outer exchange writes its results into ``flat`` or ``comm`` instead) holds the result of the stages
+    done so far; ``compressed``, with compression, the public copies.
 
     ``comm_anchor`` is a view that keeps a second reference to ``comm`` (``flat`` has the parameters' views): gloo's
     worker thread may drop an asynchronous collective's work last, and releasing a tensor's last reference there takes

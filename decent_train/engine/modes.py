@@ -26,7 +26,7 @@ from decent_train.engine.membership import Membership
 from decent_train.engine.steps import BucketSteps
 from decent_train.engine.topology import Edge, Topology
 
-__all__ = ["ALLREDUCE", "AllReduceMode", "GossipMode", "Mode", "ModeContext", "Progress"]
+__all__ = ["ALLREDUCE", "AllReduceMode", "GossipMode", "Mode", "ModeContext", "Progress", "reduces_to_average"]
 
 ALLREDUCE = "allreduce"
 """The engine's other mode (``topology="allreduce"``, ``switch_to("allreduce")``): each bucket's gradients are averaged
@@ -142,21 +142,28 @@ class AllReduceMode:
 
     def __init__(self, context: ModeContext, start: int):
         self.context, self.start = context, start
+        self.averages: dict[torch.device, bool] = {}  # by device: the collective averages (ReduceOp.AVG)
 
     def gradients_ready(self, bucket: Bucket) -> None:
-        """Copy the bucket's gradients into one buffer (zeros for a parameter without one) and start its sum."""
+        """Copy the bucket's gradients into one buffer (zeros for a parameter without one) and start their average:
+        NCCL's AVG, else a division before the sum (``reduces_to_average``)."""
         members = self.context.members
         if members.world_size == 1:
             return
         views = bucket.gradient_views()
+        device = bucket.grads.device
+        if device not in self.averages:
+            self.averages[device] = reduces_to_average(members.exchange_group, device)
         with torch.no_grad():
             for param, view in zip(bucket.params, views):
                 view.copy_(param.grad) if param.grad is not None else view.zero_()
-            bucket.grads.div_(members.world_size)
-        bucket.gradient_works = [dist.all_reduce(bucket.grads, group=members.exchange_group, async_op=True)]
+            if not self.averages[device]:
+                bucket.grads.div_(members.world_size)
+        op = dist.ReduceOp.AVG if self.averages[device] else dist.ReduceOp.SUM
+        bucket.gradient_works = [dist.all_reduce(bucket.grads, op=op, group=members.exchange_group, async_op=True)]
 
     def gather(self, bucket: Bucket) -> None:
-        """Wait for the bucket's gradient sum; its slices become the parameters' gradients."""
+        """Wait for the bucket's gradient average; its slices become the parameters' gradients."""
         members = self.context.members
         if members.world_size == 1:
             return
@@ -167,6 +174,19 @@ class AllReduceMode:
 
     def update(self, bucket: Bucket) -> None:
         self.context.steps.step(bucket)
+
+
+def reduces_to_average(group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether ``group`` averages ``device``'s tensors in the collective (``ReduceOp.AVG``), saving a division kernel
+    per bucket: torch's NCCL backend (``nccl``) on CUDA tensors, whose AVG scales each input by the reciprocal of the
+    group's size before the sum, as the division does. gloo's AVG divides after the sum (a float16 sum can overflow),
+    and other backends (nccl2: live membership's) are untried: they keep the division. Read from the group's
+    configuration, no device work."""
+    if device.type != "cuda":
+        return False
+    config = dist.get_backend_config(group)  # "cpu:gloo,cuda:nccl": each device type's backend
+    backends = dict(item.split(":", 1) for item in config.split(",") if ":" in item)
+    return backends.get("cuda") == "nccl"
 
 
 class GossipMode:
