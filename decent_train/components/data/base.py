@@ -70,8 +70,9 @@ class Datasets(ABC):
 
 
 def batch_generator(seed: int, rank: int, epoch: int, index: int) -> torch.Generator:
-    """The random numbers of one training batch: by seed, different per worker, epoch and batch."""
-    return torch.Generator().manual_seed(((seed * 100_003 + rank) * 1_000_003 + epoch) * 1_000_003 + index)
+    """The random numbers of one training batch: by seed, different per worker, epoch and batch. Modulo 2**64, the
+    seeds a generator takes: seeds of a few hundred and more overflowed it; smaller ones keep their numbers."""
+    return torch.Generator().manual_seed((((seed * 100_003 + rank) * 1_000_003 + epoch) * 1_000_003 + index) % 2**64)
 
 
 def host_to_device(t: Tensor, device: torch.device | str) -> Tensor:

@@ -6,8 +6,9 @@ torchvision is imported inside the functions that use it (a download, the image-
 
 from __future__ import annotations
 
+import functools
 import pickle
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Optional
 
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset, TensorDataset
 
 from decent_train.components.data.arrays import TensorData
 from decent_train.components.data.base import Batch, BatchTransform, Datasets, batch_generator, host_to_device
@@ -170,6 +171,74 @@ def check_image_folder(root: Path) -> None:
         raise ValueError(f"{root}: train/ and val/ have different classes ({', '.join(only[:5])}); expected {IMAGE_FOLDER_LAYOUT}")
 
 
+def image_loader(dataset: Dataset, batch_size: int, workers: int, persistent: bool, **kwargs: object) -> DataLoader:
+    """The image-folder pipeline's loader: ``workers`` decode processes, kept across passes where ``persistent``."""
+    return DataLoader(
+        dataset,
+        batch_size,
+        num_workers=workers,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=persistent and workers > 0,
+        # Each iterator draws its decode processes' base seed (unused here: SeededSamples seeds the transforms)
+        # from this generator; without one it would draw from, and move, the trainer's global random stream.
+        generator=torch.Generator(),
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+class EpochOrder(Sampler[tuple[int, int]]):
+    """The training loader's sampler: the current epoch's (image index, augmentation seed) pairs. Each ``iter`` of
+    the loader reads it afresh, so one loader, and its decode processes, serve every epoch."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[int, int]] = []
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter(self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+class SeededSamples(Dataset):
+    """``dataset[index]`` with torch's CPU random stream, which torchvision's random transforms draw from, seeded by
+    the sample's own seed: its augmentation depends on the seed alone, not on which process decodes it or what that
+    process decoded before. The stream is restored afterwards, so decoding in the trainer's process
+    (``loader_workers=0``) leaves the trainer's random numbers (dropout, say) as they were."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[Tensor, int]:
+        index, seed = key
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)
+            return self.dataset[index]
+
+
+class KeptLoader:
+    """A persistent loader handed out one pass at a time. A persistent loader has one iterator, so a pass asked for
+    while another is under way (two evaluation streams read side by side) gets a loader of its own."""
+
+    def __init__(self, make: Callable[[bool], DataLoader]) -> None:
+        self.make = make  # persistent or not -> a loader over the same samples
+        self.loader = make(True)
+        self.busy = False
+
+    def batches(self) -> Iterator[Batch]:
+        if self.busy:
+            yield from self.make(False)
+            return
+        self.busy = True
+        try:
+            yield from self.loader
+        finally:
+            self.busy = False
+
+
 class ImageFolderData(Datasets):
     """ImageNet-style folders, decoded by ``loader_workers`` processes per worker with the standard augmentations:
     random resized crop and flip for training; resize to ``image_size / 0.875`` and centre crop for evaluation.
@@ -195,20 +264,18 @@ class ImageFolderData(Datasets):
         self.num_classes = len(self.train.classes)
         self.train_size = len(self.train)
         self.loader_workers = loader_workers
-
-    def _loader(self, dataset: torch.utils.data.Dataset, batch_size: int, **kwargs: object) -> DataLoader:
-        return DataLoader(
-            dataset,
-            batch_size,
-            num_workers=self.loader_workers,
-            pin_memory=torch.cuda.is_available(),
-            persistent_workers=self.loader_workers > 0,
-            **kwargs,  # type: ignore[arg-type]
-        )
+        self._eval: dict[tuple[int, int, int], KeptLoader] = {}  # by (batch_size, rank, world): at most one
 
     def train_batches(self, batch_size: int, rank: int, world: int, seed: int, start: int = 0) -> Iterator[Batch]:
-        """One loader per epoch. A resume inside an epoch reads the rest of that epoch's images in the same order;
-        their random crops differ from an uninterrupted run's, since the decoding processes' random streams restart."""
+        """One loader for the whole stream, its ``loader_workers`` decode processes kept from epoch to epoch (starting
+        them anew, a fork each or an import of torch each with spawn or forkserver, stalled every epoch's start); each
+        epoch only sets its sampler's order.
+
+        The order is DistributedSampler's (by seed and epoch); a resume inside an epoch reads the rest of it in the
+        same order. Each image's random crop and flip come from a seed of its own, drawn per epoch and position from
+        ``seed`` (``SeededSamples``), not from the decode processes' random streams, which would run on from epoch to
+        epoch: so a resumed stream, even inside an epoch, gets the same crops as an uninterrupted one, and so does
+        any number of decode processes (none included)."""
         sampler = DistributedSampler(self.train, world, rank, shuffle=True, seed=seed, drop_last=True)
         per_epoch = len(sampler) // batch_size
         if per_epoch == 0:
@@ -217,16 +284,35 @@ class ImageFolderData(Datasets):
                 f"over {world} workers)"
             )
         epoch, skip = divmod(start, per_epoch)
+        order = EpochOrder()
+        loader = image_loader(SeededSamples(self.train), batch_size, self.loader_workers, True, sampler=order,
+                              drop_last=True)
         while True:
             sampler.set_epoch(epoch)
-            order = list(sampler)[skip * batch_size :]
-            # The generator seeds the decoding processes' augmentations: by seed, different per worker and epoch.
-            generator = batch_generator(seed, rank, epoch, 0)
-            yield from self._loader(self.train, batch_size, sampler=order, drop_last=True, generator=generator)
+            indices = list(sampler)
+            # Drawn for the whole epoch before the skip, so a resume takes the same seeds for the same positions.
+            seeds = torch.randint(0, 2**63 - 1, (len(indices),), generator=batch_generator(seed, rank, epoch, 0))
+            order.items = list(zip(indices, seeds.tolist()))[skip * batch_size :]
+            yield from loader  # a persistent loader's iter() starts the next pass on the same processes
             epoch, skip = epoch + 1, 0
 
     def eval_batches(self, batch_size: int, rank: int, world: int) -> Iterator[Batch]:
-        yield from self._loader(Subset(self.test, range(rank, len(self.test), world)), batch_size)
+        """One loader kept from evaluation to evaluation, its decode processes with it (a new one after a membership
+        change). A user paying for GPUs wants an evaluation to cost its forward passes: started per evaluation, the
+        processes cost a fork each (0.1 to 0.2 s for 2 measured) or, with spawn or forkserver (Python 3.14's default
+        on Linux), an import of torch each (3 to 8 s for 2), every evaluation; kept, each costs its memory while idle
+        (12 MB private forked, 370 MB spawned), little on a GPU node (scripts/BENCHMARKS.md: "Image decode
+        processes")."""
+        key = (batch_size, rank, world)
+        if key not in self._eval:
+            self._eval.clear()  # the previous membership's processes end before the new ones start
+            subset = Subset(self.test, range(rank, len(self.test), world))
+            # Not through self: a loader that held this object would keep its processes alive past it.
+            self._eval[key] = KeptLoader(functools.partial(image_loader, subset, batch_size, self.loader_workers))
+        yield from self._eval[key].batches()
+
+    def __getstate__(self) -> dict[str, object]:
+        return {**self.__dict__, "_eval": {}}  # the kept loader's processes belong to this process
 
     def eval_batch_count(self, batch_size: int, rank: int, world: int) -> int:
         return -(-len(range(rank, len(self.test), world)) // batch_size)  # the loader keeps its last, partial batch
