@@ -231,8 +231,7 @@ def test_other_datasets_reach_cuda_pinned_through_the_same_call(fake_cuda: FakeC
         _check_copies(fake_cuda, batches)
         host = [next(data.train_batches(2, 0, 1, seed=1))] + list(data.eval_batches(4, 0, 1))
         for (x, y), (hx, hy) in zip(batches[:1] + batches[3:], host, strict=True):
-            if cfg.name != "imagefolder":  # its random crops come from the loader's own random stream
-                assert torch.equal(x, hx) and torch.equal(y, hy), cfg.name
+            assert torch.equal(x, hx) and torch.equal(y, hy), cfg.name  # image folders: crops seeded per image
         for x, _ in batches:
             assert x.dim() != 4 or x.is_contiguous(memory_format=torch.channels_last), cfg.name
 
