@@ -293,3 +293,16 @@ def test_no_sync_accumulates_like_set_accumulate_grad() -> None:
 
     expected = replay(topology_for("ring", 4), steps, micro_batches=micro)
     assert max_deviation(run_workers(run, 4), expected) <= TOL
+
+
+@pytest.mark.parametrize("module", ["ddp", "optim", "topo", "utils"])
+def test_every_public_name_of_decent_dp_exists_after_the_import_swap(module: str) -> None:
+    """decent-dp 0.2.3's own public names (those it defines, not what it imports from torch or typing), read from
+    the installed decent-dp: a script that imports any of them runs after replacing ``decent_dp`` by ``decent_train``."""
+    import importlib
+
+    theirs, ours = importlib.import_module(f"decent_dp.{module}"), importlib.import_module(f"decent_train.{module}")
+    public = [n for n in dir(theirs) if not n.startswith("_")
+              and getattr(getattr(theirs, n), "__module__", "").startswith("decent_dp")]
+    assert public, f"decent_dp.{module} defines no public name: the oracle read nothing"
+    assert [n for n in public if not hasattr(ours, n)] == []

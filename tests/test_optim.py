@@ -126,6 +126,32 @@ def test_matches_decent_dp(ddp_optim: Any, ddp_name: str, ours_cls: type, accum_
     assert_same_state(ours, theirs, list(zip(ours_params, ddp_params)))
 
 
+
+@pytest.mark.parametrize("name", ["accum_adam_foreach", "accum_adamw_foreach"])
+def test_functional_steps_under_decent_dps_names_match_decent_dp(ddp_optim: Any, name: str) -> None:
+    """decent-dp 0.2.3 exports its functional steps; a script calling them runs after the import swap and gets the
+    same parameters, moments and step counts, over a moment refresh, with its gradients left as they were."""
+    import decent_train.optim
+
+    ours_fn, theirs_fn = getattr(decent_train.optim, name), getattr(ddp_optim, name)
+
+    def start() -> list[list[Tensor]]:  # params, exp_avgs, exp_avg_sqs (non-negative), accum_grads, state_steps
+        return [make_tensors(0), make_tensors(1), [v.abs() for v in make_tensors(2)], make_tensors(3),
+                [torch.tensor(0.0) for _ in SHAPES]]
+
+    state = {"ours": start(), "theirs": start()}
+    for step in range(5):  # accum_iter 3: the moments are refreshed after the third
+        grads = make_tensors(100 + step)
+        for who, fn in (("ours", ours_fn), ("theirs", theirs_fn)):
+            given = [g.clone() for g in grads]
+            params, exp_avgs, exp_avg_sqs, accum_grads, steps = state[who]
+            fn(params, given, exp_avgs, exp_avg_sqs, accum_grads, steps, 0.9, 0.999, 3e-3, 0.05, 1e-8, 3)
+            if who == "ours":
+                assert all(torch.equal(g, h) for g, h in zip(given, grads)), "the gradients were written"
+    for mine, theirs in zip(state["ours"], state["theirs"]):
+        for a, b in zip(mine, theirs):
+            assert_close(a, b)
+
 @pytest.mark.parametrize("ours_cls", [AccumAdam, AccumAdamW])
 def test_gradient_not_mutated(ours_cls: type) -> None:
     params = as_params(make_tensors(seed=2))

@@ -16,8 +16,11 @@ import torch.distributed as dist
 from decent_train.engine import optimizers, topology
 from decent_train.engine.ddp import DecentralizedDataParallel
 from decent_train.engine.optimizers import LRSchedulerFn, OptimFn
+from decent_train.engine.topology import Topology, TopologyReg  # decent_dp.ddp imports them too: a script may also
 
-__all__ = ["DecentralizedDataParallel", "LR_SCHEDULER_FN_TYPE", "OPTIM_FN_TYPE", "initialize_dist"]
+__all__ = [
+    "DecentralizedDataParallel", "LR_SCHEDULER_FN_TYPE", "OPTIM_FN_TYPE", "Topology", "TopologyReg", "initialize_dist",
+]
 
 OPTIM_FN_TYPE = OptimFn
 LR_SCHEDULER_FN_TYPE = LRSchedulerFn

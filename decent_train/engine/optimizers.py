@@ -41,6 +41,8 @@ __all__ = [
     "optim_fn_accum_adamw",
     "optim_fn_sgd",
     "lr_scheduler_fn_cosine_with_warmup",
+    "accum_adam_foreach",
+    "accum_adamw_foreach",
 ]
 
 OptimFn = Callable[[list[tuple[str, Tensor]]], Optimizer]
@@ -156,6 +158,41 @@ def _accum_adam_foreach(
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_zero_(accum_grads)
 
+
+
+def accum_adam_foreach(
+    params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+    accum_grads: list[Tensor], state_steps: list[Tensor], beta1: float, beta2: float, lr: float | Tensor,
+    weight_decay: float, eps: float, accum_iter: int,
+) -> None:
+    """decent-dp 0.2.3's functional AccumAdam, under its name and arguments, so that its scripts run after the import
+    swap: one step of tensors that share a step count, advancing ``state_steps``. Unlike decent-dp's, the gradients
+    are left as they were (it added the L2 decay into them)."""
+    _decent_dp_step(params, grads, exp_avgs, exp_avg_sqs, accum_grads, state_steps, beta1, beta2, lr, weight_decay,
+                    eps, accum_iter, decoupled=False)
+
+
+def accum_adamw_foreach(
+    params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+    accum_grads: list[Tensor], state_steps: list[Tensor], beta1: float, beta2: float, lr: float | Tensor,
+    weight_decay: float, eps: float, accum_iter: int,
+) -> None:
+    """decent-dp 0.2.3's functional AccumAdamW, under its name and arguments (see :func:`accum_adam_foreach`)."""
+    _decent_dp_step(params, grads, exp_avgs, exp_avg_sqs, accum_grads, state_steps, beta1, beta2, lr, weight_decay,
+                    eps, accum_iter, decoupled=True)
+
+
+def _decent_dp_step(
+    params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+    accum_grads: list[Tensor], state_steps: list[Tensor], beta1: float, beta2: float, lr: float | Tensor,
+    weight_decay: float, eps: float, accum_iter: int, decoupled: bool,
+) -> None:
+    if not params:
+        return
+    torch._foreach_add_(state_steps, 1)
+    _accum_adam_foreach(params, grads, exp_avgs, exp_avg_sqs, accum_grads, step=int(state_steps[0]), lr=float(lr),
+                        beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, accum_iter=accum_iter,
+                        decoupled=decoupled)
 
 @dataclass
 class _Batch:
