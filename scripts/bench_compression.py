@@ -102,7 +102,7 @@ def seconds_per_million(compressor: Compressor, numel: int, repeats: int = 10) -
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--numel", type=int, default=1 << 20)
     p.add_argument("--steps", type=int, default=20)

@@ -326,7 +326,7 @@ def print_phases(phases: dict[str, dict[str, float]]) -> None:
 
 def parser() -> argparse.ArgumentParser:
     """bench_engine.py's options (benchmark.py reads them too, to know which implementations a launch measures)."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--topologies", default="ring", help="comma-separated")
     p.add_argument("--local-world-size", type=int, default=1, help="workers per node that topologies assume")
     p.add_argument("--optim", default="sgd", choices=OPTIMIZERS, help="the optimizer of every implementation")

@@ -260,7 +260,7 @@ def layout(n: int, local: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="simulated world sizes (comma-separated)")
     parser.add_argument("--local", type=int, default=LOCAL, help="workers per node (for the node-based topologies)")
     parser.add_argument("--gloo", type=int, default=0, help="also time both ways in this many gloo processes")

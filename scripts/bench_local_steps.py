@@ -318,7 +318,7 @@ def report(out: Path, runs: dict[str, dict[str, Any]], reference: str, target: f
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--setting", choices=("digits", "tokens"), default="digits",
                    help="digits: the recipe as it is; tokens: byte-level language modelling (see TOKENS), loss")
     p.add_argument("--configs", default=None,

@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     """Parse the arguments, run, print and optionally write the JSON."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", default="f9af21d", help="git revision of the 'before' optimizers.py")
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=6)

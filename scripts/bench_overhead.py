@@ -188,7 +188,7 @@ def alternating_rounds(loops: dict[str, Step], args: argparse.Namespace, device:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--models", default="resnet50,gpt2")
     p.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16")

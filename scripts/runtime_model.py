@@ -159,7 +159,7 @@ def predict(
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--validate", type=Path, help="a results.json of scripts/benchmark.py --rate")
     p.add_argument("--overlap", type=float, default=None,
                    help="fraction of compute that DDP's all-reduce can overlap (default: 0 to validate on 2 CPU "
