@@ -166,7 +166,7 @@ def test_bad_input_is_one_line_before_any_worker(case: str, bad_input_runs: dict
     assert len(lines) == 1 and lines[0].startswith("decent-train: error: "), stderr
     for expected in BAD_INPUTS[case][1]:
         assert expected in lines[0]
-    assert not (run_dir / "resolved_config.yaml").exists() and not (run_dir / "logs").exists()
+    assert not run_dir.exists(), sorted(p.name for p in run_dir.iterdir())  # not even Hydra's .hydra/ copy
 
 
 @pytest.mark.slow

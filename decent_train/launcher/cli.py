@@ -6,9 +6,11 @@ workers read ``resolved_config.yaml``, the same file cluster scripts hand to tor
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -118,7 +120,18 @@ def _run_job(cfg: DictConfig) -> float | None:
             if error.traceback:
                 print(error.traceback, file=sys.stderr)
             _exit_with(f"{message} (its log: {HydraConfig.get().runtime.output_dir}/logs/)", 1)
+        _drop_refused_run_dir(Path(HydraConfig.get().runtime.output_dir))
         _exit_with(message, 2)
+
+
+def _drop_refused_run_dir(run_dir: Path) -> None:
+    """A refused job trained nothing, and the directory Hydra made for it holds only Hydra's copy of the command
+    (``.hydra/``): gone, so that mistakes leave no empty runs among the real ones (``decent-train-plot`` of a
+    sweep, say). A directory that holds anything else is left alone."""
+    if run_dir.is_dir() and [entry.name for entry in run_dir.iterdir()] == [".hydra"]:
+        shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
+        with contextlib.suppress(OSError):
+            run_dir.rmdir()
 
 
 def _check_and_launch(cfg: DictConfig) -> float | None:
@@ -133,8 +146,8 @@ def _check_and_launch(cfg: DictConfig) -> float | None:
     coordinating = cfg.fault_tolerance.get("role") == "coordinator"  # no worker here: each agent checks its node
     if cfg.launch.nproc_per_node is None:  # one worker per GPU
         if coordinating and cfg.launch.device == "cuda" and not torch.cuda.is_available():
-            _exit_with("fault_tolerance.role=coordinator with launch.device=cuda on a host without a GPU: set "
-                       "launch.nproc_per_node to the workers per node (the agents' GPUs)", 2)
+            raise ValueError("fault_tolerance.role=coordinator with launch.device=cuda on a host without a GPU: set "
+                             "launch.nproc_per_node to the workers per node (the agents' GPUs)")
         cfg.launch.nproc_per_node = max(1, torch.cuda.device_count())
     if not cfg.dry_run and not coordinating:  # a login node may check a job for GPU nodes
         check_devices(cfg.launch.device, cfg.launch.nproc_per_node, torch.cuda.is_available(), torch.cuda.device_count())
