@@ -1,7 +1,8 @@
 """``decent-train-plot DIR [--out OUT]``: charts of one run or a sweep of runs, drawn from the files they leave.
 
 It reads only ``metrics.jsonl``, ``result.json`` and ``resolved_config.yaml``, so runs can be plotted after the fact,
-on another machine, without torch workers; one line (or bar) per run, labelled by what sets the run apart. Each
+on another machine, without torch workers; one line (or bar) per run, labelled by what sets the run apart: an
+override's value as resolved in each run's config, so ``x=10`` beside x's default of 10 is no difference. Each
 chart's title says which sweep it is, how many workers ran and what varies, so a PNG read alone is understood.
 """
 
@@ -23,13 +24,15 @@ from matplotlib.artist import Artist
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from decent_train.config import METRICS_FILE, RESOLVED_CONFIG, RESULT_FILE
 
 THROUGHPUT = "throughput/samples_per_s"
 THROUGHPUT_MIN = "throughput/samples_per_s_min_worker"
 DEFAULTS = "defaults"  # the label of a run that sets nothing the others do not
+SEED = "seed"  # runs that differ only in it are drawn as one line with the seeds' spread
+_ABSENT = object()
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,7 @@ class Run:
     workers: int | None = None  # ranks: result.json's world_size, else the last logged count, else the config's
     shard: int = 1  # parallel.shard: ranks per replica
     label: str = field(default="")
+    config: DictConfig | ListConfig = field(default_factory=OmegaConf.create)  # resolved_config.yaml, or empty
 
 
 def find_runs(root: Path) -> list[Path]:
@@ -122,7 +126,7 @@ def load_run(path: Path) -> Run:
     workers = _number(result.get("world_size")) or (logged[-1] if logged else None) or launched
     shard = OmegaConf.select(config, "parallel.shard")
     return Run(path, records, result, overrides, int(workers) if workers else None,
-               shard if isinstance(shard, int) and shard > 1 else 1)
+               shard if isinstance(shard, int) and shard > 1 else 1, config=config)
 
 
 def override_key(override: str) -> str:
@@ -130,11 +134,64 @@ def override_key(override: str) -> str:
     return override.lstrip("+~").split("=", 1)[0]
 
 
-def run_labels(overrides: Sequence[Sequence[str]]) -> list[str]:
-    """Each run's overrides less those every run shares (they tell runs apart in a legend); "defaults" if none is
-    left. Runs whose overrides are the same are numbered in order ("defaults #1", "defaults #2")."""
-    common = set(overrides[0]).intersection(*overrides[1:]) if len(overrides) > 1 else set()
-    labels = [" ".join(o for o in run if o not in common) or DEFAULTS for run in overrides]
+def as_written(run: Run, key: str) -> str:
+    """``key``'s value as the run's overrides write it: "deleted" for ``~key``, "default" if the run does not set
+    it."""
+    return next((o.split("=", 1)[1] if "=" in o else "deleted" for o in run.overrides if override_key(o) == key),
+                "default")
+
+
+def setting(run: Run, key: str) -> str:
+    """What ``key`` was in the run, comparable between runs: its value in the resolved config (a group's option for
+    a group), so that ``algorithm.sync_every=10`` and a default of 10, or ``3e-3`` and ``0.003``, are alike; where
+    the config lacks the key (deleted, or a run directory without a whole config) the override's text instead."""
+    choices = OmegaConf.select(run.config, "run.choices")
+    try:
+        if isinstance(choices, DictConfig) and key in choices:
+            return json.dumps(["choice", choices[key]])
+        value = OmegaConf.select(run.config, key, default=_ABSENT)
+    except Exception:  # noqa: BLE001 - a key OmegaConf refuses to address, or an odd file: compare as written
+        value = _ABSENT
+    if value is _ABSENT:
+        return json.dumps(["written", as_written(run, key)])
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value, resolve=True)
+    return json.dumps(["value", value], sort_keys=True, default=str)
+
+
+def varying(runs: Sequence[Run]) -> dict[str, list[str]]:
+    """The keys set by some run whose resolved values differ between runs (in first-seen order), each with the
+    values run, once each, as an override wrote them ("default": a value no run wrote out)."""
+    keys = list(dict.fromkeys(override_key(o) for run in runs for o in run.overrides))
+    values: dict[str, list[str]] = {}
+    for key in keys:
+        shown: dict[str, str] = {}
+        for run in runs:
+            value, text = setting(run, key), as_written(run, key)
+            if shown.get(value, "default") == "default":
+                shown[value] = text
+        if len(shown) > 1:
+            values[key] = list(shown.values())
+    return values
+
+
+def label_runs(runs: Sequence[Run]) -> list[str]:
+    """Each run's overrides of the keys that vary ("defaults" if none): what sets it apart in a legend. A run that
+    does not set such a key but ran with a value another run wrote out is labelled with that override, so runs alike
+    read alike. Runs whose labels are the same are numbered in order ("defaults #1", "defaults #2"). A run alone is
+    labelled by all its overrides."""
+    if len(runs) == 1:
+        return [" ".join(runs[0].overrides) or DEFAULTS]
+    keys = varying(runs)
+    labels = []
+    for run in runs:
+        parts = []
+        for key in keys:
+            own = [o for o in run.overrides if override_key(o) == key]
+            value = setting(run, key)
+            parts += own or next(([o for o in other.overrides if override_key(o) == key] for other in runs
+                                  if as_written(other, key) != "default" and setting(other, key) == value), [])
+        labels.append(" ".join(parts) or DEFAULTS)
     counts = {label: labels.count(label) for label in labels}
     seen: dict[str, int] = {}
     for i, label in enumerate(labels):
@@ -144,17 +201,21 @@ def run_labels(overrides: Sequence[Sequence[str]]) -> list[str]:
     return labels
 
 
-def varying(runs: Sequence[Run]) -> dict[str, list[str]]:
-    """The keys whose overrides differ between runs (in first-seen order), each with its values in run order; a run
-    that does not set the key has "default"."""
-    keys = list(dict.fromkeys(override_key(o) for run in runs for o in run.overrides))
-    values: dict[str, list[str]] = {}
-    for key in keys:
-        per_run = [next((o.split("=", 1)[1] if "=" in o else "deleted" for o in run.overrides
-                         if override_key(o) == key), "default") for run in runs]
-        if len(set(per_run)) > 1:
-            values[key] = list(dict.fromkeys(per_run))
-    return values
+def run_labels(overrides: Sequence[Sequence[str]]) -> list[str]:
+    """``label_runs`` of runs known by their overrides alone (no config: values compare as written)."""
+    return label_runs([Run(Path(), [], {}, list(run)) for run in overrides])
+
+
+def common_overrides(runs: Sequence[Run]) -> list[str]:
+    """One override (the first written) of each key set by some run whose resolved value is the same in every
+    run: what every run ran with."""
+    keys = varying(runs)
+    found: dict[str, str] = {}
+    for run in runs:
+        for o in run.overrides:
+            if override_key(o) not in keys:
+                found.setdefault(override_key(o), o)
+    return list(found.values())
 
 
 def sweep_name(root: Path) -> str:
@@ -188,9 +249,9 @@ def header(runs: Sequence[Run], root: Path) -> str:
         return f"run {sweep_name(root)}: {_workers(runs)}, {' '.join(run.overrides) or DEFAULTS}"
     keys = varying(runs)
     what = ", ".join(f"{key} ({', '.join(values) if len(values) <= 5 else f'{len(values)} values'})"
-                     for key, values in keys.items()) or "nothing (the same overrides)"
+                     for key, values in keys.items()) or "nothing (the same settings)"
     lines = [f"sweep {sweep_name(root)}: {len(runs)} runs of {_workers(runs)}, varying {what}"]
-    common = [o for o in runs[0].overrides if all(o in run.overrides for run in runs[1:])]
+    common = common_overrides(runs)
     if common:
         lines.append(f"every run: {' '.join(common)}")
     return "\n".join(lines)
@@ -216,11 +277,16 @@ def phase_changes(run: Run, x_key: str) -> list[float]:
 
 def seed_groups(runs: list[Run]) -> list[tuple[str, list[Run]]]:
     """Runs that differ only in ``seed=``, together (in first-seen order), labelled without it: a sweep over seeds is
-    drawn as one line per setting with the seeds' spread around it."""
+    drawn as one line per setting with the seeds' spread around it. Runs set apart by the seed alone (a sweep over
+    seed= and nothing else) are labelled by what every run sets, like a single run, or "defaults"."""
+    stripped = [[t for t in run.label.split() if override_key(t) != SEED] for run in runs]
+    alone = all(not parts or parts[0].startswith("#") for parts in stripped)
+    base = " ".join(o for o in common_overrides(runs) if override_key(o) != SEED) if alone else ""
     groups: dict[str, list[Run]] = {}
-    for run in runs:
-        label = " ".join(t for t in run.label.split() if not re.fullmatch(r"seed=\S+", t)) or run.label
-        groups.setdefault(label, []).append(run)
+    for run, parts in zip(runs, stripped):
+        if not parts or parts[0].startswith("#"):  # nothing but the seed, and perhaps the number of alike runs
+            parts = [base or DEFAULTS, *parts]
+        groups.setdefault(" ".join(parts), []).append(run)
     return list(groups.items())
 
 
@@ -258,8 +324,12 @@ def _new_figure(title: str, head: str, width: float, height: float = 5.2) -> Fig
 
 
 def _legend(fig: Figure, handles: list[Artist], labels: list[str]) -> None:
-    """Below the plot, where it covers no line; as many columns as the labels' lengths allow."""
-    columns = max(1, min(len(labels), 100 // (max(len(label) for label in labels) + 8)))
+    """Below the plot, where it covers no line; as many columns as the labels' lengths allow. A label wider than the
+    figure (a sweep over seeds alone is named by every override) is wrapped, at about 12 small characters an inch."""
+    labels = [textwrap.fill(label, int(12 * fig.get_figwidth()) - 8, break_long_words=False, break_on_hyphens=False)
+              for label in labels]
+    longest = max(len(line) for label in labels for line in label.splitlines())
+    columns = max(1, min(len(labels), 100 // (longest + 8)))
     fig.legend(handles, labels, loc="outside lower center", ncols=columns, fontsize="small", frameon=False)
 
 
@@ -349,9 +419,9 @@ def throughput_figure(runs: list[Run], head: str) -> Figure | None:
 
 
 def load_runs(root: Path) -> list[Run]:
-    """Every run under ``root``, labelled by its overrides that differ from the others' (or "defaults")."""
+    """Every run under ``root``, labelled by its overrides whose values differ from the others' (or "defaults")."""
     runs = [load_run(path) for path in find_runs(root)]
-    for run, label in zip(runs, run_labels([run.overrides for run in runs])):
+    for run, label in zip(runs, label_runs(runs)):
         run.label = label
     return runs
 
@@ -397,12 +467,13 @@ def plot_dir(root: Path, out: Path) -> list[Path]:
     return written
 
 
-CHARTS_HELP = """charts written (one line or bar per run, labelled by the overrides that set it apart, or "defaults"):
+CHARTS_HELP = """charts written (one line or bar per run, labelled by the overrides that set it apart, or "defaults";
+an override equal to a default sets nothing apart):
   loss_vs_step.png, loss_vs_time.png            training loss, mean over workers (log scale)
   accuracy_vs_step.png, accuracy_vs_time.png    test accuracy of the workers' average model
   consensus_vs_step.png, consensus_vs_time.png  consensus distance sqrt(mean_i |x_i - mean x|^2) (log scale)
   throughput.png                                samples/s: all workers together | the slowest worker's own pace
-runs of a sweep over seed= are drawn as their mean with the seeds' min to max shaded."""
+runs that differ only in seed= are drawn as their mean with the seeds' min to max shaded."""
 
 
 def main(argv: list[str] | None = None) -> None:
