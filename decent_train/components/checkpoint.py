@@ -2,10 +2,11 @@
 
 Layout: ``RUN_DIR/checkpoints/step_00000100/rank<k>.pt`` and ``manifest.json``. Each rank writes its file under a
 temporary name and renames it (atomic), hashing it on the way; after every rank has written, rank 0 writes the
-manifest (each file's sha256 and size, the step, the world size, the topology and the model's architecture) the same
-way. A checkpoint without a manifest is incomplete and never used. Loading checks every rank's file against the
-manifest: if any is truncated or corrupt, all ranks fall back to the previous complete checkpoint, with a warning
-naming the file.
+manifest (each file's sha256 and size, the step, the world size, the topology, the model's architecture and the
+settings the saved state's layout depends on: the algorithm, the optimizer, the compression) the same way. A
+checkpoint without a manifest is incomplete and never used. Loading checks every rank's file against the manifest:
+if any is truncated or corrupt, all ranks fall back to the previous complete checkpoint, with a warning naming the
+file.
 
 At another world size (M workers continuing N workers' checkpoint) every worker reads all N files, one at a time, and
 starts from their average: the floating-point tensors are summed in float64 as the files stream by (one file and the
@@ -37,6 +38,15 @@ from decent_train.engine.comm import peers_must_answer
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
+RESTARTED_BY_AVERAGE = ("compression",)  # settings whose state an averaged resume rebuilds (compression.int8_block)
+_run_settings: dict[str, Any] = {}  # record_run_settings'
+
+
+def record_run_settings(settings: dict[str, Any]) -> None:
+    """The settings ``save_checkpoint`` writes into the manifests of this process's run by default (the worker sets
+    them once, when it looks for a checkpoint to continue from, so that the code that saves need not pass them)."""
+    _run_settings.clear()
+    _run_settings.update(settings)
 
 
 @dataclass
@@ -100,11 +110,15 @@ class Checkpoint:
         """Whether ``world_size`` workers in replicas of ``shard`` continue it rank by rank (else: from an average)."""
         return self.world_size == world_size and self.shard == shard
 
-    def describe_mismatch(self, world_size: int, topology: str, model: dict[str, Any], shard: int = 1) -> Optional[str]:
+    def describe_mismatch(
+        self, world_size: int, topology: str, model: dict[str, Any], shard: int = 1,
+        settings: Optional[dict[str, Any]] = None,
+    ) -> Optional[str]:
         """Why this checkpoint cannot continue a run of ``world_size`` workers in replicas of ``shard`` on
-        ``topology`` training ``model`` (its ``ModelConfig.architecture()``); None: it can. At the same layout the
-        topology must be laid out the same way over the nodes; at another, only its name (and phases) must match.
-        Sharded and whole models do not continue each other (DCP reshards between numbers of shards)."""
+        ``topology`` training ``model`` (its ``ModelConfig.architecture()``) with ``settings`` (``save_checkpoint``'s;
+        None: not checked); None: it can. At the same layout the topology must be laid out the same way over the
+        nodes; at another, only its name (and phases) must match. Sharded and whole models do not continue each other
+        (DCP reshards between numbers of shards)."""
         if (self.shard > 1) != (shard > 1):
             return (f"{self.path} was written with parallel.shard={self.shard}; this run has parallel.shard={shard}: "
                     "resume a sharded run sharded (any parallel.shard > 1) and a whole-model run with 1")
@@ -124,7 +138,24 @@ class Checkpoint:
             differ = ", ".join(f"model.{k}={theirs.get(k)} there, {model.get(k)} here" for k in theirs | model
                                if theirs.get(k) != model.get(k))
             return f"{self.path} holds another model ({differ}): resume with the same model settings"
-        return None
+        return self.describe_settings_mismatch(settings or {}, self.same_layout(world_size, shard))
+
+    def describe_settings_mismatch(self, settings: dict[str, Any], same_layout: bool = True) -> Optional[str]:
+        """One line naming the ``settings`` (override -> value) that differ from those the checkpoint was trained
+        with, theirs, and what to do; None if none do. Another algorithm or optimizer reads a state of another layout
+        (a KeyError deep in a worker) or, worse, trains on from another optimizer's moments without a word. A key the
+        manifest lacks is not checked (written before it was recorded); at another world size (``same_layout``
+        false) the compressed gossip's copies restart from the average, so the compression may change there."""
+        theirs = self.manifest.get("settings") or {}
+        keys = [k for k in theirs if k in settings and theirs[k] != settings[k]
+                and (same_layout or k.split(".")[0] not in RESTARTED_BY_AVERAGE)]
+        if "algorithm" in keys:  # its options (algorithm.fragments) follow from it
+            keys = [k for k in keys if not k.startswith("algorithm.")]
+        if not keys:
+            return None
+        mine, saved = (" ".join(f"{k}={values[k]}" for k in keys) for values in (settings, theirs))
+        return (f"{mine}: the checkpoint {self.path} was trained with {saved}; resume with {saved}, or start a new "
+                "run (without resume=)")
 
 
 def _without_layout(topology: str) -> str:
@@ -220,11 +251,11 @@ def describe_unreadable(where: str, tried: list[tuple[Path, str]]) -> str:
 def save_checkpoint(
     run_dir: Path, step: int, state: dict[str, Any], topology: str, model: dict[str, Any], keep: int,
     run_world_size: Optional[int] = None, before_gather: Optional[Callable[[], None]] = None,
-    sharded: Optional[ShardedState] = None,
+    sharded: Optional[ShardedState] = None, settings: Optional[dict[str, Any]] = None,
 ) -> Path:
-    """Every rank saves ``state``; rank 0 then writes the manifest (with the ``topology`` and the ``model``'s
-    architecture that a resume must match, and the world size the run started with: by default this one) and deletes
-    all but the newest ``keep``.
+    """Every rank saves ``state``; rank 0 then writes the manifest (with the ``topology``, the ``model``'s
+    architecture and the ``settings`` that a resume must match: by default ``record_run_settings``', and the world
+    size the run started with: by default this one) and deletes all but the newest ``keep``.
 
     Collective: every rank calls it at the same step. ``before_gather`` runs after this rank's file is written,
     before the collectives (live membership's fence: a member that died while writing stops nobody).
@@ -245,6 +276,9 @@ def save_checkpoint(
     if rank == 0:
         manifest = {"step": step, "world_size": world, "run_world_size": run_world_size or world,
                     "topology": topology, "model": model, "ranks": entries}
+        recorded = settings if settings is not None else _run_settings
+        if recorded:
+            manifest["settings"] = dict(recorded)
         if sharded is not None:
             manifest["shard"] = sharded.shard
         _write_atomically(directory / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
@@ -374,7 +408,7 @@ def _with_floats(obj: Any, values: Iterator[torch.Tensor]) -> Any:
 
 def load_latest_checkpoint(
     run_dirs: list[Path], topology: str, model: dict[str, Any], prepare_average: Prepare = lambda state: state,
-    shard: int = 1, tried: Optional[list[tuple[Path, str]]] = None,
+    shard: int = 1, tried: Optional[list[tuple[Path, str]]] = None, settings: Optional[dict[str, Any]] = None,
 ) -> tuple[Optional[Checkpoint], Optional[dict[str, Any]]]:
     """The newest checkpoint in ``run_dirs`` (in order of preference) that every rank can read, and this rank's state:
     its own file's, or, written by another number of workers (or of ``shard`` per replica), the average of all
@@ -382,7 +416,7 @@ def load_latest_checkpoint(
 
     Collective. A checkpoint with a bad file on any rank (or a bad manifest) is skipped on all, with one warning line
     on rank 0, and appended to ``tried`` as (its directory, why); a checkpoint of another topology or model is an
-    error (``ValueError``).
+    error (``ValueError``), and so is one trained with other ``settings`` (``Checkpoint.describe_settings_mismatch``).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     tried = [] if tried is None else tried
@@ -394,7 +428,7 @@ def load_latest_checkpoint(
                 logger.warning(f"checkpoint {path.name} skipped: {why}")
         tried += unreadable
         for checkpoint in checkpoints:
-            mismatch = checkpoint.describe_mismatch(world, topology, model, shard)
+            mismatch = checkpoint.describe_mismatch(world, topology, model, shard, settings)
             if mismatch:
                 raise ValueError(mismatch)
             if checkpoint.same_layout(world, shard):

@@ -22,6 +22,7 @@ from decent_train.config import TrainConfig
 from decent_train.engine import reconfigure
 from decent_train.engine.host_memory import host_malloc_choice
 from decent_train.engine.int8_kernels import compiled_int8_choice
+from decent_train.training.resume import resume_settings
 
 
 def preflight(cfg: TrainConfig) -> None:
@@ -111,17 +112,21 @@ def check_topologies(cfg: TrainConfig) -> None:
 
 def check_resume(cfg: TrainConfig) -> None:
     """``resume`` holds a complete checkpoint that every rank's files match (its manifest's checksums: the newest
-    such one is what the workers continue from), trained with this run's world size, schedule and model. None
+    such one is what the workers continue from), trained with this run's world size, schedule, model, algorithm,
+    optimizer, LR schedule and compression (``resume_settings``: what the saved state's layout depends on). None
     readable: one line naming each one tried and why, unless ``checkpoint.fresh_if_unreadable`` (then the workers
     start from step 0 and say so)."""
     unreadable: list[tuple[Path, str]] = []
     checkpoints = complete_checkpoints(Path(cfg.resume), unreadable)
+    settings = resume_settings(cfg)
     for checkpoint in checkpoints:
         if cfg.launch.nproc_per_node is not None:
             mismatch = checkpoint.describe_mismatch(cfg.launch.world_size, cfg.schedule(), cfg.model.architecture(),
-                                                    cfg.parallel.shard)
-            if mismatch:
-                raise ValueError(f"resume={cfg.resume}: {mismatch}")
+                                                    cfg.parallel.shard, settings)
+        else:  # the world size is not known yet: what no world size changes (the workers check the rest)
+            mismatch = checkpoint.describe_settings_mismatch(settings, same_layout=False)
+        if mismatch:
+            raise ValueError(f"resume={cfg.resume}: {mismatch}")
         why = verify_checkpoint(checkpoint)
         if not why:
             return  # the workers warn, one line each, about the newer ones they skip

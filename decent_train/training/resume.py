@@ -12,7 +12,9 @@ from loguru import logger
 from torch import nn
 
 from decent_train.algorithms.base import Algorithm
-from decent_train.components.checkpoint import FRESH_FLAG, Checkpoint, describe_unreadable, load_latest_checkpoint
+from decent_train.components.checkpoint import (
+    FRESH_FLAG, Checkpoint, describe_unreadable, load_latest_checkpoint, record_run_settings,
+)
 from decent_train.components.data import Datasets
 from decent_train.config import TrainConfig
 
@@ -26,12 +28,15 @@ def load_checkpoint(
     Starting from step 0 when checkpoints exist but none can be read (or ``resume=`` holds none) would throw away what
     the user asked to continue, so that is a ``ValueError`` naming each one tried, unless
     ``checkpoint.fresh_if_unreadable`` says to start afresh. The launcher's preflight says the same before any worker
-    starts; this is for files damaged since, and for workers that torchrun restarts."""
+    starts; this is for files damaged since, for workers that torchrun restarts, and for the Python API. It also
+    records ``resume_settings`` for the manifests this run writes."""
     tried: list[tuple[Path, str]] = []
+    settings = resume_settings(cfg)
+    record_run_settings(settings)
     checkpoint, state = load_latest_checkpoint(
         [run_dir] + ([Path(cfg.resume)] if cfg.resume else []), cfg.schedule(dist.get_world_size()),
         cfg.model.architecture(), prepare_average=lambda saved: _averageable(saved, algorithm),
-        shard=cfg.parallel.shard, tried=tried,
+        shard=cfg.parallel.shard, tried=tried, settings=settings,
     )
     if checkpoint is None and (tried or cfg.resume):
         line = describe_unreadable(f"resume={cfg.resume}" if cfg.resume else str(run_dir), tried)
@@ -41,6 +46,23 @@ def load_checkpoint(
             logger.warning(f"{line.rpartition('; to train from step 0')[0]}; training from step 0 "
                            f"({FRESH_FLAG})")
     return checkpoint, state
+
+
+def resume_settings(cfg: TrainConfig) -> dict[str, Any]:
+    """What a resume must match besides the topology and the model, as overrides (key -> value): what the saved
+    state's layout depends on. Another algorithm, optimizer or schedule fails while loading (or, adamw for
+    accum_adamw, trains on silently from the other's moments); a local-steps algorithm keeps its anchors and counters
+    per fragment; the engine saves compressed gossip's public copies and the messages received, sized by the
+    compressor (int8: by its block). Hyperparameters (lr, weight_decay, steps, consensus_step) are not here: they
+    change on purpose."""
+    settings: dict[str, Any] = {"algorithm": cfg.algorithm.name, "optim": cfg.optim.name,
+                                "scheduler": cfg.scheduler.name, "compression": cfg.compression.name}
+    fragments = getattr(cfg.algorithm, "fragments", None)  # local steps (diloco, localsgd) only
+    if fragments is not None:
+        settings["algorithm.fragments"] = fragments
+    if cfg.compression.name == "int8":
+        settings["compression.int8_block"] = cfg.compression.int8_block
+    return settings
 
 
 def restore(
