@@ -88,7 +88,7 @@ def test_the_manifest_records_what_a_resume_must_match(ring_run: Path, diloco_ru
 def test_a_resume_with_another_setting_stops_before_any_worker(
     ring_run: Path, tmp_path: Path, key: str, mine: str, theirs: str
 ) -> None:
-    _assert_refused(ring_run, tmp_path, key, mine, theirs, f"steps={STEPS + 10}", f"{key}={mine}")
+    _assert_refused(ring_run, tmp_path, key, mine, theirs, f"steps={STEPS + 5}", f"{key}={mine}")
 
 
 @pytest.mark.slow  # reads a checkpoint that a launch of decent-train wrote (10-20 s)
