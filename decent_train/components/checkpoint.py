@@ -39,14 +39,6 @@ from decent_train.engine.comm import peers_must_answer
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 RESTARTED_BY_AVERAGE = ("compression",)  # settings whose state an averaged resume rebuilds (compression.int8_block)
-_run_settings: dict[str, Any] = {}  # record_run_settings'
-
-
-def record_run_settings(settings: dict[str, Any]) -> None:
-    """The settings ``save_checkpoint`` writes into the manifests of this process's run by default (the worker sets
-    them once, when it looks for a checkpoint to continue from, so that the code that saves need not pass them)."""
-    _run_settings.clear()
-    _run_settings.update(settings)
 
 
 @dataclass
@@ -254,7 +246,7 @@ def save_checkpoint(
     sharded: Optional[ShardedState] = None, settings: Optional[dict[str, Any]] = None,
 ) -> Path:
     """Every rank saves ``state``; rank 0 then writes the manifest (with the ``topology``, the ``model``'s
-    architecture and the ``settings`` that a resume must match: by default ``record_run_settings``', and the world
+    architecture and the ``settings`` that a resume must match (training/resume.py: resume_settings), and the world
     size the run started with: by default this one) and deletes all but the newest ``keep``.
 
     Collective: every rank calls it at the same step. ``before_gather`` runs after this rank's file is written,
@@ -276,9 +268,8 @@ def save_checkpoint(
     if rank == 0:
         manifest = {"step": step, "world_size": world, "run_world_size": run_world_size or world,
                     "topology": topology, "model": model, "ranks": entries}
-        recorded = settings if settings is not None else _run_settings
-        if recorded:
-            manifest["settings"] = dict(recorded)
+        if settings:
+            manifest["settings"] = dict(settings)
         if sharded is not None:
             manifest["shard"] = sharded.shard
         _write_atomically(directory / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))

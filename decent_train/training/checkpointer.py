@@ -10,6 +10,7 @@ from loguru import logger
 
 from decent_train.components.checkpoint import save_checkpoint
 from decent_train.training.job import Job
+from decent_train.training.resume import resume_settings
 
 
 class Checkpointer:
@@ -36,6 +37,7 @@ class Checkpointer:
             "cuda_rng": torch.cuda.get_rng_state(job.device) if job.device.type == "cuda" else None,
         }
         path = save_checkpoint(job.run_dir, step, state, cfg.schedule(dist.get_world_size()), cfg.model.architecture(),
-                               cfg.checkpoint.keep, job.run_world, before_gather=job.fence, sharded=sharded)
+                               cfg.checkpoint.keep, job.run_world, before_gather=job.fence, sharded=sharded,
+                               settings=resume_settings(cfg))
         logger.debug(f"checkpoint {path}")
         return path

@@ -13,7 +13,7 @@ from torch import nn
 
 from decent_train.algorithms.base import Algorithm
 from decent_train.components.checkpoint import (
-    FRESH_FLAG, Checkpoint, describe_unreadable, load_latest_checkpoint, record_run_settings,
+    FRESH_FLAG, Checkpoint, describe_unreadable, load_latest_checkpoint,
 )
 from decent_train.components.data import Datasets
 from decent_train.config import TrainConfig
@@ -28,11 +28,9 @@ def load_checkpoint(
     Starting from step 0 when checkpoints exist but none can be read (or ``resume=`` holds none) would throw away what
     the user asked to continue, so that is a ``ValueError`` naming each one tried, unless
     ``checkpoint.fresh_if_unreadable`` says to start afresh. The launcher's preflight says the same before any worker
-    starts; this is for files damaged since, for workers that torchrun restarts, and for the Python API. It also
-    records ``resume_settings`` for the manifests this run writes."""
+    starts; this is for files damaged since, for workers that torchrun restarts, and for the Python API."""
     tried: list[tuple[Path, str]] = []
     settings = resume_settings(cfg)
-    record_run_settings(settings)
     checkpoint, state = load_latest_checkpoint(
         [run_dir] + ([Path(cfg.resume)] if cfg.resume else []), cfg.schedule(dist.get_world_size()),
         cfg.model.architecture(), prepare_average=lambda saved: _averageable(saved, algorithm),
