@@ -36,7 +36,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(config_path)
     run_dir = Path(cfg.run.output_dir) if cfg.run.output_dir else config_path.parent
     live = None
-    stop.install()  # the launcher passes a stop signal on (torchrun's path and launcher/supervisor.py alike)
+    # The launcher passes a stop signal on (torchrun's path and launcher/supervisor.py alike), or leaves it in a file
+    # beside the config for a worker it could not reach yet.
+    stop.install(config_path.parent / stop.REQUEST_FILE)
     if STORE_ENV in os.environ:  # fault_tolerance=live: the launcher's coordinator says who is in the run
         store, member = connect(timedelta(seconds=cfg.pg_timeout_s))
         live = LiveMembership(store, member, timedelta(seconds=cfg.comm_timeout_s))

@@ -169,6 +169,26 @@ def test_signals_stop_with_a_checkpoint_and_resume_to_the_uninterrupted_model(tm
         assert torch.equal(ended[key], oracle[key]), key
 
 
+
+def test_a_signal_while_the_workers_start_stops_them_with_a_checkpoint(tmp_path: Path) -> None:
+    """SIGTERM (SLURM's preemption) to the launcher as it starts the workers, before any of them can be signalled:
+    the launcher leaves the stop beside the config (training/stop.py: REQUEST_FILE) and every worker takes it when its
+    handler is set, so the run stops at its first record step with a checkpoint. Passed on only to the workers that
+    existed, it was lost and the run trained to its end (exit 0)."""
+    launched: list[float] = []
+
+    def starting(run_dir: Path) -> bool:  # the launcher's line just before torchrun starts the workers
+        with contextlib.suppress(FileNotFoundError):
+            if " workers on cpu" in (run_dir / "launcher.log").read_text():
+                launched.append(time.monotonic())
+        return bool(launched) and time.monotonic() - launched[0] > 0.2  # past the data's preparation
+
+    run = launch(tmp_path, "starting", ["decent-train", *JOB], starting,
+                 lambda proc, _: os.kill(proc.pid, signal.SIGTERM))
+    assert run.sent_at < 0, f"the workers had recorded a step already: not the moment this test is about\n{run}"
+    check_stopped(run, signal.SIGTERM, set(range(1, STEPS)))
+    assert not (run.run_dir / "stop_requested").exists(), f"{run}"  # the launcher's, gone with it
+
 def test_a_second_ctrl_c_stops_at_once(tmp_path: Path) -> None:
     """Records every 50 steps: the agreed stop is seconds away when the second Ctrl-C comes."""
 

@@ -21,7 +21,7 @@ from torch.distributed.launcher.api import LaunchConfig as ElasticLaunchConfig
 from torch.distributed.launcher.api import elastic_launch
 
 from decent_train.config import TORCH_KEEP_ALIVE_S, TORCH_LAST_CALL_S, LaunchConfig
-from decent_train.training.stop import AGENT_PID_ENV, FORWARDED, STOP_SIGNALS
+from decent_train.training.stop import AGENT_PID_ENV, FORWARDED, REQUEST_FILE, STOP_SIGNALS
 
 WORKER_MODULE = "decent_train.worker"
 # torch 2.15 shares the rank-0 agent's TCP store with the workers and caches its address across rendezvous rounds.
@@ -118,7 +118,7 @@ def launch_workers(cfg: LaunchConfig, config_path: Path) -> signal.Signals | Non
     # The agent logs each failure at ERROR; WorkerFailure reports the first one instead.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     os.environ[AGENT_PID_ENV] = str(os.getpid())  # the workers die with this agent (runtime.py: die_with_agent)
-    with StopForwarding() as forward, _environment(OMP_NUM_THREADS=str(threads),
+    with StopForwarding(config_path.parent / REQUEST_FILE) as forward, _environment(OMP_NUM_THREADS=str(threads),
                                                    **(ELASTIC_ENV if cfg.elastic else {})):
         try:
             elastic_launch(elastic, sys.executable)("-u", "-m", WORKER_MODULE, str(config_path))
@@ -136,29 +136,57 @@ class StopForwarding:
     module: torchrun's, or launcher/node_agent.py's) run: the first goes on to every worker; a SIGINT after it
     kills them (SIGKILL) and raises SignalException, which ends torchrun's agent's wait. Installed as a context."""
 
-    def __init__(self) -> None:
+    def __init__(self, request_file: Path | None = None) -> None:
         self.received: signal.Signals | None = None
         self.killed: signal.Signals | None = None
+        self.request_file = request_file  # for workers not started yet (training/stop.py: install)
         self._saved: dict[signal.Signals, Any] = {}
 
     def __enter__(self) -> StopForwarding:
+        if self.request_file is not None:
+            self.request_file.unlink(missing_ok=True)  # an earlier launch's, into the same directory
         self._saved = {sig: signal.signal(sig, self) for sig in STOP_SIGNALS}
         return self
 
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._saved.items():
             signal.signal(sig, handler)
+        if self.request_file is not None:
+            self.request_file.unlink(missing_ok=True)
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         sig = signal.Signals(signum)
         again = self.received is not None and sig == signal.SIGINT
         self.received = self.received or sig
-        for pid in _workers():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL if again else FORWARDED)
         if again:
+            for pid in _workers():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             self.killed = sig
             raise SignalException(f"a second {sig.name}", sigval=sig)
+        pass_stop_on(self.request_file)
+
+
+def pass_stop_on(request_file: Path | None) -> None:
+    """A stop to this node's workers: into ``request_file`` first, which a worker reads once its handler is set
+    (training/stop.py: install), then as :data:`FORWARDED` to each worker whose handler is set: before that the
+    signal's default action would kill it, and a worker started later would never get it."""
+    if request_file is not None:
+        with contextlib.suppress(OSError):
+            request_file.write_text("stop")
+    for pid in _workers():
+        if _catches(pid, FORWARDED):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, FORWARDED)
+
+
+def _catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (the kernel's caught-signals mask, /proc/PID/status)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        status = Path(f"/proc/{pid}/status").read_text()
+        mask = next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1]
+        return bool(int(mask, 16) >> (int(sig) - 1) & 1)
+    return False
 
 
 def _workers() -> list[int]:

@@ -39,9 +39,9 @@ from decent_train.components.data import prepare as prepare_data
 from decent_train.config import RESOLVED_CONFIG, TrainConfig, check_config
 from decent_train.launcher.coordinator import NodeKeys, exit_reason
 from decent_train.launcher.launch import AGENT_PID_ENV, WORKER_MODULE, StopForwarding, WorkerFailure, \
-    default_threads_per_worker
+    default_threads_per_worker, pass_stop_on
 from decent_train.training.live import HEARTBEAT_S, MEMBER_ENV, STORE_ENV, Keys, address_towards
-from decent_train.training.stop import FORWARDED
+from decent_train.training.stop import REQUEST_FILE
 
 POLL_S = 0.02  # between two looks at the worker processes (an exit is seen this soon)
 STALE_S = 0.5  # a heartbeat this old: look whether the worker said it is done (it stops beating as it exits)
@@ -268,9 +268,7 @@ class NodeAgent:
                 self._kill(worker, order["why"])
         elif kind == "stop":
             if self.stopping.received is None:  # on one node, the launcher's own handler has passed it on
-                for worker in self.workers.values():
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(worker.process.pid, FORWARDED)
+                pass_stop_on(self.stopping.request_file)
         elif kind == "fence":
             self.kill_all()
             self.fenced = f"node {self.node}: the coordinator declared this node lost ({order['why']}); its workers " \
@@ -346,6 +344,6 @@ def run_agent(cfg: TrainConfig, run_dir: Path) -> None:
     config_path.write_text(store.get(NodeKeys.CONFIG).decode())
     job = check_config(OmegaConf.load(config_path))
     prepare_data(job.dataset)
-    with StopForwarding() as stopping:
+    with StopForwarding(config_path.parent / REQUEST_FILE) as stopping:
         agent = NodeAgent(job, config_path, address, stopping)
         agent.run()

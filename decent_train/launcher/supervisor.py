@@ -21,6 +21,7 @@ from decent_train.config import TrainConfig
 from decent_train.launcher.coordinator import WORKERS_FILE, Coordinator
 from decent_train.launcher.launch import Interrupted, StopForwarding, format_command
 from decent_train.launcher.node_agent import NodeAgent
+from decent_train.training.stop import REQUEST_FILE
 
 __all__ = ["WORKERS_FILE", "run_supervised"]
 
@@ -31,7 +32,7 @@ def run_supervised(cfg: TrainConfig, config_path: Path, run_dir: Path
     signal the launcher received (None: none). Raises :class:`Interrupted` on a second Ctrl-C."""
     endpoint = cfg.launch.rdzv_endpoint
     port = int(endpoint.rsplit(":", 1)[1]) if endpoint else 0
-    with StopForwarding() as stopping:
+    with StopForwarding(config_path.parent / REQUEST_FILE) as stopping:
         coordinator = Coordinator(cfg, run_dir, config_path.read_text(), port, stopping)
         address = endpoint or f"127.0.0.1:{coordinator.port}"
         agent, thread, failures = None, None, []

@@ -29,6 +29,8 @@ EXIT_STOPPED = 75  # sysexits.h EX_TEMPFAIL: stopped with a checkpoint, resume= 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 FORWARDED = signal.SIGUSR1  # what decent-train's launcher passes on to its workers, whichever of these it received
 AGENT_PID_ENV = "DECENT_TRAIN_AGENT_PID"  # set by decent-train's launcher for its workers (runtime.die_with_agent)
+# Beside the resolved config: the launcher's stop signal, for workers it could not pass it on to (not started yet).
+REQUEST_FILE = "stop_requested"
 
 
 class _Request:
@@ -57,8 +59,11 @@ class _Request:
 REQUEST = _Request()
 
 
-def install() -> None:
-    """Catch the stop signals in this worker (the main thread, before training).
+def install(request_file: Path | None = None) -> None:
+    """Catch the stop signals in this worker (the main thread, before training); then take the launcher's stop if
+    ``request_file`` says it received one before this worker could be signalled (a Ctrl-C while torchrun starts the
+    workers): it writes the file before passing the signal on, and this reads it after the handler is set, so a
+    worker misses neither.
 
     Under decent-train's launcher only :data:`FORWARDED` (and SIGINT): torchrun's agent stops the workers with
     SIGTERM when one failed, to restart them or end the run, and they must go at once, not finish a step with a peer
@@ -66,6 +71,8 @@ def install() -> None:
     SIGTERM to every process of the job, the workers too; there an agent's restart waits for the others until their
     collective with the lost peer fails (or torchrun's ``--shutdown-timeout``)."""
     REQUEST.install((signal.SIGINT, FORWARDED) if AGENT_PID_ENV in os.environ else STOP_SIGNALS)
+    if request_file is not None and request_file.exists() and REQUEST.signal is None:
+        REQUEST.signal = FORWARDED
 
 
 @dataclass
