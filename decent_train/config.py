@@ -290,11 +290,11 @@ class TrainConfig:
         for key, argument in _ENGINE_ARGUMENTS.items():
             value = getattr(self, key)
             engine_check(key, value, lambda: check_engine_arguments(**{argument: value}))
-        if self.eval_every < 0 or self.bucket_size_mb <= 0 or self.pg_timeout_s <= 0:
-            raise ValueError(
-                f"eval_every={self.eval_every} must be >= 0, bucket_size_mb={self.bucket_size_mb} and pg_timeout_s="
-                f"{self.pg_timeout_s} > 0"
-            )
+        for key, bad, valid in (("eval_every", self.eval_every < 0, ">= 0 (0: never)"),
+                                ("bucket_size_mb", self.bucket_size_mb <= 0, "> 0"),
+                                ("pg_timeout_s", self.pg_timeout_s <= 0, "> 0")):
+            if bad:
+                raise ValueError(f"{key}={getattr(self, key)} must be {valid}")
         if self.compression.name != "none" and not traits.gossips:
             raise ValueError(
                 f"compression={self.compression.name} compresses gossip; algorithm={self.algorithm.name} does not "

@@ -150,6 +150,10 @@ def test_every_option_composes_and_checks(group: str, option: str, data_dirs: di
          "compression.copy_dtype=bf16 sets per-step gossip's public copies"),
         ({"algorithm": "diloco", "phases": [{"algorithm": "allreduce", "steps": 5}, {}]},
          "leave algorithm=decentralized (not 'diloco')"),
+        # each names its own key (they shared one message that named eval_every first)
+        ({"bucket_size_mb": 0}, "bucket_size_mb=0.0 must be > 0"),
+        ({"pg_timeout_s": -1}, "pg_timeout_s=-1.0 must be > 0"),
+        ({"eval_every": -1}, "eval_every=-1 must be >= 0 (0: never)"),
         # fault_tolerance=live: what this version runs with
         ({"fault_tolerance": {"name": "hot"}}, "fault_tolerance='hot'; valid: none, live"),
         ({"fault_tolerance": {"name": "live", "detect_s": 0}}, "fault_tolerance.detect_s=0.0 must be > 0"),
