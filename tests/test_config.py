@@ -154,6 +154,7 @@ def test_every_option_composes_and_checks(group: str, option: str, data_dirs: di
         ({"bucket_size_mb": 0}, "bucket_size_mb=0.0 must be > 0"),
         ({"pg_timeout_s": -1}, "pg_timeout_s=-1.0 must be > 0"),
         ({"eval_every": -1}, "eval_every=-1 must be >= 0 (0: never)"),
+        ({"launch": {"monitor_interval": 0}}, "launch.monitor_interval=0.0 must be > 0 seconds"),
         # fault_tolerance=live: what this version runs with
         ({"fault_tolerance": {"name": "hot"}}, "fault_tolerance='hot'; valid: none, live"),
         ({"fault_tolerance": {"name": "live", "detect_s": 0}}, "fault_tolerance.detect_s=0.0 must be > 0"),

@@ -63,6 +63,8 @@ class LaunchConfig:
             raise ValueError(f"launch.device={self.device!r} is not a device; valid: {', '.join(DEVICES)}")
         if self.max_restarts < 0:
             raise ValueError(f"launch.max_restarts={self.max_restarts} must be >= 0")
+        if not self.monitor_interval > 0:  # torch's agent asserts it, in a traceback
+            raise ValueError(f"launch.monitor_interval={self.monitor_interval} must be > 0 seconds")
         if high > 1 and not (self.rdzv_endpoint and self.rdzv_id):
             # Each node's agent must find the others: the same endpoint and the same id (a fresh one per launch, or a
             # free port of its own, would leave every agent in a world of its own).
