@@ -12,9 +12,7 @@ from loguru import logger
 from torch import nn
 
 from decent_train.algorithms.base import Algorithm
-from decent_train.components.checkpoint import (
-    FRESH_FLAG, Checkpoint, describe_unreadable, load_latest_checkpoint,
-)
+from decent_train.components.checkpoint import FRESH_FLAG, Checkpoint, describe_unreadable, load_latest_checkpoint
 from decent_train.components.data import Datasets
 from decent_train.config import TrainConfig
 
