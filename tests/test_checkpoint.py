@@ -254,7 +254,7 @@ def test_corrupt_checkpoint_falls_back_to_the_one_before(uninterrupted: Path, tm
     _same_params(tmp_path, uninterrupted)
 
 
-def test_checkpoint_of_another_topology_is_refused(uninterrupted: Path) -> None:
+def test_checkpoint_of_another_topology_is_refused(uninterrupted: Path, tmp_path: Path) -> None:
     """Another world size is welcome (the workers start from the average), another topology is not."""
     preflight(make_cfg(Path("/unused"), resume=str(uninterrupted), launch={"nproc_per_node": 4}))
     with pytest.raises(ValueError, match=r"was written by 2 workers with topology 'ring: 2 workers \(1 nodes x 2\)'; "
@@ -267,8 +267,10 @@ def test_checkpoint_of_another_topology_is_refused(uninterrupted: Path) -> None:
         preflight(make_cfg(Path("/unused"), resume=str(uninterrupted), topology={"local_world_size": 1}))
     with pytest.raises(ValueError, match=r"this run has 2 workers with 'allreduce'"):
         preflight(make_cfg(Path("/unused"), resume=str(uninterrupted), algorithm="allreduce"))
-    with pytest.raises(ValueError, match="holds no complete checkpoint"):
+    with pytest.raises(ValueError, match=r"^resume=/no/such/run: no such directory; "):
         preflight(make_cfg(Path("/unused"), resume="/no/such/run"))
+    with pytest.raises(ValueError, match=rf"^resume={tmp_path} holds no complete checkpoint"):  # there, but empty
+        preflight(make_cfg(Path("/unused"), resume=str(tmp_path)))
 
 
 def test_checkpoint_of_another_model_is_refused_by_name(uninterrupted: Path, tmp_path: Path) -> None:

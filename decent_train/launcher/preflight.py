@@ -16,7 +16,9 @@ from pathlib import Path
 
 import torch
 
-from decent_train.components.checkpoint import complete_checkpoints, describe_unreadable, verify_checkpoint
+from decent_train.components.checkpoint import (
+    FRESH_FLAG, complete_checkpoints, describe_unreadable, verify_checkpoint,
+)
 from decent_train.components.models import ModelConfig, build_model
 from decent_train.config import TrainConfig
 from decent_train.engine import reconfigure
@@ -116,6 +118,9 @@ def check_resume(cfg: TrainConfig) -> None:
     optimizer, LR schedule and compression (``resume_settings``: what the saved state's layout depends on). None
     readable: one line naming each one tried and why, unless ``checkpoint.fresh_if_unreadable`` (then the workers
     start from step 0 and say so)."""
+    if not Path(cfg.resume).is_dir() and not cfg.checkpoint.fresh_if_unreadable:  # a typo, most likely
+        raise ValueError(f"resume={cfg.resume}: no such directory; give the run directory to continue (the one that "
+                         f"holds checkpoints/), or add {FRESH_FLAG} to train from step 0 if it is missing")
     unreadable: list[tuple[Path, str]] = []
     checkpoints = complete_checkpoints(Path(cfg.resume), unreadable)
     settings = resume_settings(cfg)
