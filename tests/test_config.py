@@ -155,6 +155,11 @@ def test_every_option_composes_and_checks(group: str, option: str, data_dirs: di
         ({"pg_timeout_s": -1}, "pg_timeout_s=-1.0 must be > 0"),
         ({"eval_every": -1}, "eval_every=-1 must be >= 0 (0: never)"),
         ({"launch": {"monitor_interval": 0}}, "launch.monitor_interval=0.0 must be > 0 seconds"),
+        # torch's own refusals, in every worker's traceback, before these
+        ({"optim": {"name": "sgd", "momentum": -1}}, "optim.momentum=-1.0 must be in [0, 1)"),
+        ({"optim": {"beta2": 1.0}}, "optim.beta2=1.0 must be in [0, 1)"),
+        ({"optim": {"eps": -1e-8}}, "optim.eps=-1e-08 must be >= 0"),
+        ({"optim": {"name": "sgd", "momentum": 0, "nesterov": True}}, "optim.nesterov=true needs optim.momentum > 0"),
         # fault_tolerance=live: what this version runs with
         ({"fault_tolerance": {"name": "hot"}}, "fault_tolerance='hot'; valid: none, live"),
         ({"fault_tolerance": {"name": "live", "detect_s": 0}}, "fault_tolerance.detect_s=0.0 must be > 0"),

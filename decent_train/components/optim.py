@@ -52,6 +52,13 @@ class OptimConfig:
             raise ValueError(f"optim.weight_decay={self.weight_decay} must be >= 0")
         if self.accum_iter < 1:
             raise ValueError(f"optim.accum_iter={self.accum_iter} must be >= 1")
+        for key in ("beta1", "beta2", "momentum"):  # else torch refuses them in every worker, in a traceback
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ValueError(f"optim.{key}={getattr(self, key)} must be in [0, 1)")
+        if self.eps < 0:
+            raise ValueError(f"optim.eps={self.eps} must be >= 0")
+        if self.name == "sgd" and self.nesterov and self.momentum == 0:
+            raise ValueError("optim.nesterov=true needs optim.momentum > 0 (or set optim.nesterov=false)")
 
 
 @dataclass
