@@ -25,8 +25,8 @@ from decent_train.launcher.plot import (
     header,
     load_runs,
     main,
+    label_runs,
     phase_changes,
-    run_labels,
     seed_groups,
     throughput,
 )
@@ -93,6 +93,11 @@ def test_sweep_writes_every_chart_and_the_help_names_each(sweep: Path, capsys: p
     assert exit_info.value.code == 0
     shown = capsys.readouterr().out
     assert all(path.name in shown for path in (sweep / "plots").iterdir()), shown
+
+
+def run_labels(overrides: list[list[str]]) -> list[str]:
+    """The labels of runs known by their overrides alone (no config: values compare as written)."""
+    return label_runs([Run(Path(), [], {}, list(run)) for run in overrides])
 
 
 def test_labels_are_the_overrides_that_differ() -> None:

@@ -201,11 +201,6 @@ def label_runs(runs: Sequence[Run]) -> list[str]:
     return labels
 
 
-def run_labels(overrides: Sequence[Sequence[str]]) -> list[str]:
-    """``label_runs`` of runs known by their overrides alone (no config: values compare as written)."""
-    return label_runs([Run(Path(), [], {}, list(run)) for run in overrides])
-
-
 def common_overrides(runs: Sequence[Run]) -> list[str]:
     """One override (the first written) of each key set by some run whose resolved value is the same in every
     run: what every run ran with."""
@@ -280,11 +275,12 @@ def seed_groups(runs: list[Run]) -> list[tuple[str, list[Run]]]:
     drawn as one line per setting with the seeds' spread around it. Runs set apart by the seed alone (a sweep over
     seed= and nothing else) are labelled by what every run sets, like a single run, or "defaults"."""
     stripped = [[t for t in run.label.split() if override_key(t) != SEED] for run in runs]
-    alone = all(not parts or parts[0].startswith("#") for parts in stripped)
-    base = " ".join(o for o in common_overrides(runs) if override_key(o) != SEED) if alone else ""
+    # Nothing but the seed in a label, and perhaps the number of alike runs.
+    seed_only = [not parts or parts[0].startswith("#") for parts in stripped]
+    base = " ".join(o for o in common_overrides(runs) if override_key(o) != SEED) if all(seed_only) else ""
     groups: dict[str, list[Run]] = {}
-    for run, parts in zip(runs, stripped):
-        if not parts or parts[0].startswith("#"):  # nothing but the seed, and perhaps the number of alike runs
+    for run, parts, only in zip(runs, stripped, seed_only):
+        if only:
             parts = [base or DEFAULTS, *parts]
         groups.setdefault(" ".join(parts), []).append(run)
     return list(groups.items())
