@@ -86,7 +86,10 @@ _contexts = itertools.count()  # tells apart the networks one process makes, nes
 
 def _ip(*args: str) -> str:
     """Run ``ip``/``tc`` (``args[0]``); a failure raises with the command and what it said, on one line."""
-    proc = subprocess.run(args, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True)
+    except OSError as error:  # the program is missing (iproute2 not installed): the callers' "not available here"
+        raise RuntimeError(f"{' '.join(args)} failed: {error}") from None
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed: {proc.stderr.strip() or proc.stdout.strip()}")
     return proc.stdout
@@ -484,12 +487,15 @@ def netem_available() -> str | None:
 @functools.cache
 def delay_line_available() -> str | None:
     """Why the delay line can't run here (no TUN/TAP: /dev/net/tun), or None; starts one between two namespaces."""
-    with _probe() as near, _probe() as far:
-        try:
-            line = _start_delay_line(1, (f"/var/run/netns/{near}", "ta"), (f"/var/run/netns/{far}", "tb"))
-        except RuntimeError as error:
-            return f"cannot make the delay line's TAP devices (/dev/net/tun): {error}"
-        _kill_group(line)
+    try:
+        with _probe() as near, _probe() as far:
+            try:
+                line = _start_delay_line(1, (f"/var/run/netns/{near}", "ta"), (f"/var/run/netns/{far}", "tb"))
+            except RuntimeError as error:
+                return f"cannot make the delay line's TAP devices (/dev/net/tun): {error}"
+            _kill_group(line)
+    except RuntimeError as error:  # _probe()'s own `ip netns add`
+        return f"cannot make a network namespace: {error}"
     return None
 
 

@@ -253,8 +253,9 @@ INT8_SYNC_EVERY, INT8_STEPS = 6, 12  # Streaming DiLoCo with int8: 3 fragments, 
 
 
 def _int8_streamed(rank: int, world_size: int, topology: str) -> dict[str, Any]:
-    """Streaming DiLoCo with int8 over ``topology``, the compiled kernels forced: per outer step, the fragment's x
-    and anchors when its exchange starts, and what the outer optimizer is handed (the mixed anchors, the gradient)."""
+    """Streaming DiLoCo with int8 over ``topology``, the compiled kernels forced, offload on (CUDA's default: the outer
+    step in parts, so the CPU mode takes the same path): per outer step, the fragment's x and anchors when its
+    exchange starts, and what the outer optimizer is handed (the mixed anchors, the gradient)."""
     os.environ[COMPILED_INT8_ENV] = "always" if DEVICE.type == "cuda" else "never"  # CPU mode: no C++ compiles
     model = make_model(seed=rank).to(DEVICE)
     inner = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -262,13 +263,16 @@ def _int8_streamed(rank: int, world_size: int, topology: str) -> dict[str, Any]:
 
     class Recording(torch.optim.SGD):
         def step(self, closure: Any = None) -> Any:
-            stepped = [p for p in model.parameters() if p.grad is not None]
-            handed.append(([_on_cpu(p) for p in stepped], [_on_cpu(p.grad) for p in stepped]))
+            xs, grads = handed[-1]  # offload steps a fragment in parts, a call each: one outer step's entry
+            for p in model.parameters():
+                if p.grad is not None:
+                    xs.append(_on_cpu(p))
+                    grads.append(_on_cpu(p.grad))
             return super().step(closure)
 
     front = DiLoCo(model, inner, Recording(model.parameters(), lr=0.7, momentum=0.9, nesterov=True), INT8_SYNC_EVERY,
                    topology, fragments=[model[0], model[2], model[4]], fragment_sync_delay=DELAY, compression="int8",
-                   timeout=120)
+                   timeout=120, offload=True)
     started: list[tuple[list[Tensor], list[Tensor]]] = []
     start = front.exchange.start
 
@@ -278,6 +282,13 @@ def _int8_streamed(rank: int, world_size: int, topology: str) -> dict[str, Any]:
         return start(fragment)
 
     front.exchange.start = recording_start  # type: ignore[method-assign]
+    outer_step = front.outer_step
+
+    def recording_outer_step() -> None:
+        handed.append(([], []))
+        outer_step()
+
+    front.outer_step = recording_outer_step  # type: ignore[method-assign]
     with front:
         for step in range(INT8_STEPS):
             loss_on_device(model, rank, step).backward()
