@@ -322,13 +322,8 @@ def _gpu_run(offload: bool | None, plain: bool = False) -> dict[str, Any]:
     baseline, baseline_requested = (torch.cuda.memory_allocated(), requested()) if cuda else (0, 0)
 
     def allocated() -> int:
-        """The bytes asked of the allocator over the baseline once the copies out finished: memory the front dropped
-        while a copy out still read it is freed at the allocator's next allocation after that (record_stream)."""
-        if not cuda:
-            return 0
-        torch.cuda.synchronize()
-        torch.empty(1, device=DEVICE)
-        return requested() - baseline_requested
+        """The bytes asked of the allocator over the baseline once the copies out finished."""
+        return requested() - baseline_requested if cuda else 0
 
     def settled(front_bytes: int) -> tuple[int, int]:
         """``front_bytes`` and the allocator's bytes once they agree, or after 2 s: a finished collective's tensors
@@ -362,9 +357,15 @@ def _gpu_run(offload: bool | None, plain: bool = False) -> dict[str, Any]:
 
 
 def requested() -> int:
-    """The bytes of the tensors alive on the device, as asked of the caching allocator. ``memory_allocated()`` counts
-    blocks: a request served from a cached block whose rest would be under 1 MiB takes the block whole (an H200 run:
-    a 4,198,400-byte payload counted as 5,242,880), which is the allocator's rounding, not memory the front holds."""
+    """The bytes of the tensors alive on the device, as asked of the caching allocator, once the device finished.
+    ``memory_allocated()`` counts blocks: a request served from a cached block whose rest would be under 1 MiB takes
+    the block whole (an H200 run: a 4,198,400-byte payload counted as 5,242,880), the allocator's rounding, not memory
+    the front holds. The bytes asked for drop only when a block is returned to the pool, and a block freed while a
+    side stream still used it (record_stream: the copies out) is returned at the next allocation after that stream's
+    work finished: hence the synchronize and the allocation first (an H200 run read a baseline 16.8 MB high, the
+    previous run's blocks, without them)."""
+    torch.cuda.synchronize()
+    torch.empty(1, device=DEVICE)
     return torch.cuda.memory_stats()["requested_bytes.all.current"]
 
 
