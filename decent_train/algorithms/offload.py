@@ -12,13 +12,14 @@ optimizer's state comes in a part of a fragment at a time (local_steps.py, ``OUT
 goes back. Streaming DiLoCo has one fragment in flight at a time, so while the inner steps run the device holds one
 fragment's payload, and at an outer step that plus a part of a fragment.
 
-How the copies stay off the critical path on a GPU: every copy runs on one side stream, ``non_blocking``. A copy in
-waits for the work already queued on the compute stream (the memory it fills may be what that work reads or just
-freed) and the compute stream waits for it (an event, not a host sync) before it reads the values. A copy out waits
-for the values' last writer and is recorded on the device tensors it reads (``record_stream``), so the caching
-allocator reuses them only once it finished, while the next inner steps run. Nothing waits on the host per
-fragment; the host waits for the last copy out only where it reads host memory itself (a checkpoint, the anchors'
-consensus). On the CPU the copies are plain copies.
+How the copies stay off the critical path on a GPU: copies in run on one side stream and copies out on another,
+``non_blocking``. A copy in waits for the work already queued on the compute stream (the memory it fills may be what
+that work reads or just freed) and for the copy out that last wrote its host tensor, and the compute stream waits for
+it (an event, not a host sync) before it reads the values. A copy out waits for the values' last writer and is
+recorded on the device tensors it reads (``record_stream``), so the caching allocator reuses them only once it
+finished, while the next inner steps run. Nothing waits on the host per fragment; the host waits for the copies in
+flight only where it reads or writes host memory itself (a checkpoint, the anchors' consensus). On the CPU the
+copies are plain copies.
 """
 
 from __future__ import annotations
@@ -49,13 +50,20 @@ def resolve_offload(offload: bool | None, device: torch.device) -> bool:
 
 
 class HostStore:
-    """Copies between the device and (pinned) host memory, on a side stream where the device is CUDA."""
+    """Copies between the device and (pinned) host memory: on CUDA the copies in and the copies out each run on a side
+    stream of their own. One stream for both made every copy in (which the compute stream waits for) queue behind
+    the copies out of the outer step before it, though PCIe moves both directions at once; a copy in of a host
+    tensor still waits for the copy out that last wrote it (``_written``)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.pin = torch.cuda.is_available()  # pinned memory needs a CUDA driver; a CPU-only run copies host to host
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if cuda else None  # copies in
+        self.out_stream = torch.cuda.Stream(device) if cuda else None  # copies out
+        self.copied_in: Any = None  # the last copy in's event (CUDA)
         self.copied_out: Any = None  # the last copy out's event (CUDA)
+        self._written: dict[int, Any] = {}  # a host storage's address: the event of the copy out that last wrote it
 
     def host_like(self, tensor: Tensor) -> Tensor:
         """An empty host tensor shaped like ``tensor`` (pinned where CUDA is present)."""
@@ -75,44 +83,52 @@ class HostStore:
 
     def copy_in(self, working: list[Tensor], homes: list[Tensor]) -> None:
         """``working`` (device tensors: fresh ones, the parameters, views of a payload) <- ``homes``, after the work
-        queued on the compute stream, which waits for the copies before what it queues next (no host sync)."""
+        queued on the compute stream and the copies out that wrote ``homes``; the compute stream waits for the copies
+        before what it queues next (no host sync)."""
         if self.stream is None:
             for w, h in zip(working, homes):
                 w.copy_(h)
             return
         compute = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)  # fresh blocks may be memory that queued work still uses; the parameters too
+        writers = {id(e): e for e in (self._written.get(h.untyped_storage().data_ptr()) for h in homes) if e}
+        for event in writers.values():
+            self.stream.wait_event(event)
         with torch.cuda.stream(self.stream):
             for w, h in zip(working, homes):
                 w.copy_(h, non_blocking=True)
-            arrived = torch.cuda.Event()
-            arrived.record(self.stream)
-        compute.wait_event(arrived)
+            self.copied_in = torch.cuda.Event()
+            self.copied_in.record(self.stream)
+        compute.wait_event(self.copied_in)
 
     def copy_out(self, homes: list[Tensor], working: list[Tensor], snapshot: bool = False) -> None:
         """``homes`` <- ``working`` once the compute stream's queued work wrote them; the device tensors are not
         reused before the copy finished (``record_stream``), so the caller may drop them at once. ``snapshot``: the
-        compute stream writes ``working`` next (the parameters), so the copy reads a clone of them, freed as it ends."""
-        if self.stream is None:
+        compute stream writes ``working`` next (the parameters), so the copy reads a clone of them, freed as it ends.
+        A copy in that read ``homes`` is done: the compute stream, which this copy waits for, waited for it."""
+        if self.out_stream is None:
             for h, w in zip(homes, working):
                 h.copy_(w)
             return
         if snapshot:
             working = [w.clone() for w in working]
         compute = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(compute)
-        with torch.cuda.stream(self.stream):
+        self.out_stream.wait_stream(compute)
+        with torch.cuda.stream(self.out_stream):
             for h, w in zip(homes, working):
                 h.copy_(w, non_blocking=True)
             self.copied_out = torch.cuda.Event()
-            self.copied_out.record(self.stream)
+            self.copied_out.record(self.out_stream)
+        for h in homes:
+            self._written[h.untyped_storage().data_ptr()] = self.copied_out
         for w in working:
-            w.record_stream(self.stream)
+            w.record_stream(self.out_stream)
 
     def wait(self) -> None:
-        """The host waits for every copy out so far: before it reads or writes host memory itself."""
-        if self.copied_out is not None:
-            self.copied_out.synchronize()
+        """The host waits for every copy so far: before it reads or writes host memory itself."""
+        for event in (self.copied_in, self.copied_out):
+            if event is not None:
+                event.synchronize()
 
 
 @dataclass
