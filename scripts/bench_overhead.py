@@ -106,7 +106,7 @@ def engine_loop(model: nn.Module, batch: tuple[Tensor, Tensor], args: argparse.N
         update_thread=variant == "update-thread",
     )
     if variant == "deferred":
-        engine._context.steps.deferred = True
+        engine._context.steps.must_defer = True
     if variant == "optimizer-step":  # a step hook: engine/fused_step.py declines, Optimizer.step() runs
         for optimizer in engine.optimizers:
             optimizer.register_step_pre_hook(lambda *args: None)

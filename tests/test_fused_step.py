@@ -5,7 +5,8 @@ Oracle: the same optimizer class stepped by torch's ``step(); zero_grad()`` on a
 param groups (weight decay on one), an LR scheduler changing the rate every step, a parameter without a gradient
 on one step, and the state replaced by ``load_state_dict`` midway. In the engine: at world size 1 every bucket's
 fused AdamW step must equal one fused AdamW over the whole model (the kernel is elementwise, so how parameters
-group into calls does not change a bit), and the engine must have taken the fast path.
+group into calls does not change a bit), and the engine must have taken the fast path; alone, it steps every
+bucket with one call per set of hyperparameters.
 """
 
 from __future__ import annotations
@@ -135,24 +136,26 @@ def _batch(step: int) -> tuple[Tensor, Tensor]:
     return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
 
 
-def _engine_run(rank: int, world_size: int) -> tuple[dict[str, Tensor], int]:
-    calls = [0]
+def _engine_run(rank: int, world_size: int) -> tuple[dict[str, Tensor], list[int], int]:
+    """The parameters after STEPS steps, the functional ``adam()`` calls of each step, the buckets."""
+    calls: list[int] = []
     functional = fused_step.adam
 
     def counted(*args: Any, **kwargs: Any) -> None:
-        calls[0] += 1
+        calls[-1] += 1
         functional(*args, **kwargs)
 
     fused_step.adam = counted  # type: ignore[assignment]
     try:
-        engine = DecentralizedDataParallel(_model(), _fused_adamw, topology="ring", bucket_size_in_mb=0.001)
+        engine = DecentralizedDataParallel(_model(), _fused_adamw, topology="ring", bucket_size_in_mb=0.0003)
         assert len(engine.optimizers) > 1
         for step in range(STEPS):
+            calls.append(0)
             x, y = _batch(step)
             ((engine(x) - y) ** 2).mean().backward()
     finally:
         fused_step.adam = functional  # type: ignore[assignment]
-    return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}, calls[0]
+    return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}, calls, len(engine.optimizers)
 
 
 def test_engine_buckets_step_through_it_and_equal_one_fused_adamw() -> None:
@@ -163,7 +166,17 @@ def test_engine_buckets_step_through_it_and_equal_one_fused_adamw() -> None:
         ((model(x) - y) ** 2).mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    params, calls = run_workers(_engine_run, 1)[0]
-    assert calls > 0  # the buckets took the fast path (after their first step)
+    params, calls, _ = run_workers(_engine_run, 1)[0]
+    assert sum(calls) > 0  # the buckets took the fast path (after their first step)
     for name, value in model.state_dict().items():
         assert torch.equal(params[name], value), name
+
+
+def test_a_worker_alone_steps_its_buckets_in_one_call_per_hyperparameter_set() -> None:
+    """Issue 37's invariant for a worker alone: the optimizer calls per step do not grow with the buckets. It exchanges
+    nothing, so its buckets step at the end of backward, one ``adam()`` per set of hyperparameters (weight decay and
+    none: 2) over every bucket; the first step makes the state through ``step()`` (no call here). Stepping each
+    bucket on its own, as with peers, makes a call per bucket and group (counted before: more than 2)."""
+    _, calls, buckets = run_workers(_engine_run, 1)[0]
+    assert buckets > 2
+    assert calls == [0] + [2] * (STEPS - 1)

@@ -219,10 +219,9 @@ class DecentralizedDataParallel(nn.Module):
         if messages > MESSAGE_TAGS:
             raise ValueError(f"message_size_in_mb={message_size_in_mb} splits a bucket into {messages} messages, "
                              f"more than {MESSAGE_TAGS}; use larger messages")
-        self._context = ModeContext(
-            self._members, exchanger, CommWaits(self._members.timeout), BucketSteps(scaler, grad_clip_norm),
-            self._progress, param_as_bucket_view, fault_tolerant=fault_tolerant,
-        )
+        steps = BucketSteps(scaler, grad_clip_norm, self._members)
+        self._context = ModeContext(self._members, exchanger, CommWaits(self._members.timeout), steps, self._progress,
+                                    param_as_bucket_view, fault_tolerant=fault_tolerant)
         self._readiness = GradientReadiness(self._buckets, self._on_grad_ready, model, self._members.rank == 0)
         device = next((b.flat.device for b in self._buckets), torch.device("cpu"))
         self._updates = UpdateThread(device, owner=self) if update_thread else None
@@ -364,8 +363,9 @@ class DecentralizedDataParallel(nn.Module):
                 mode.update(bucket)
         if steps.deferred:
             steps.prepare(self._buckets, self._members, self._progress.step)
-            for bucket in self._buckets:
-                mode.update(bucket)
+            with steps.merged():
+                for bucket in self._buckets:
+                    mode.update(bucket)
         steps.end_step()
         self._readiness.finish()
         self._next_bucket = 0

@@ -12,12 +12,15 @@ made, a scaler's attributes), and the caller runs ``step()``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch import Tensor
 from torch.optim import Adam, AdamW, Optimizer
 from torch.optim import optimizer as torch_optimizer
 from torch.optim.adam import adam
 
-__all__ = ["step_and_zero_grad"]
+__all__ = ["step_and_zero_grad", "step_and_zero_grad_many"]
 
 _ADAMS = (Adam, AdamW)
 
@@ -40,9 +43,56 @@ def _plain_fused_adam(opt: Optimizer) -> bool:
 def step_and_zero_grad(opt: Optimizer) -> bool:
     """``opt.step(); opt.zero_grad(set_to_none=True)`` through ``adam()`` directly: True if done, False (nothing
     changed) where the caller must call them itself."""
+    return not step_and_zero_grad_many([opt])
+
+
+def step_and_zero_grad_many(opts: list[Optimizer]) -> list[Optimizer]:
+    """``step(); zero_grad(set_to_none=True)`` of each of ``opts`` (over distinct parameters) that this can take,
+    with one ``adam()`` call per set of hyperparameters over all of them: a worker alone steps its buckets at the end
+    of backward (engine/steps.py), where one kernel launch does for every bucket. Returns the optimizers it declined,
+    unchanged, in order: the caller steps those itself."""
+    merged: dict[tuple[Any, ...], tuple[dict[str, Any], list[list[Tensor]]]] = {}
+    declined, stepped = [], []
+    for opt in opts:
+        gathered = _gathered(opt)
+        if gathered is None:
+            declined.append(opt)
+            continue
+        stepped.append(opt)
+        for group, lists in gathered:
+            key = tuple(id(v) if isinstance(v, Tensor) else v for v in (group[k] for k in _HYPERPARAMETERS))
+            if key in merged:
+                for into, more in zip(merged[key][1], lists):
+                    into += more
+            else:
+                merged[key] = (group, lists)
+    with torch.no_grad():
+        for group, (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps) in merged.values():
+            beta1, beta2 = group["betas"]
+            adam(
+                params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+                amsgrad=group["amsgrad"], has_complex=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+                foreach=group["foreach"], capturable=False, differentiable=False, fused=True,
+                decoupled_weight_decay=group["decoupled_weight_decay"],
+            )
+    for opt in stepped:
+        opt._opt_called = True  # what an LR scheduler's wrapper of step() sets (its order check reads it)
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad = None
+    return declined
+
+
+_HYPERPARAMETERS = ("lr", "betas", "weight_decay", "eps", "maximize", "amsgrad", "foreach", "decoupled_weight_decay")
+
+
+def _gathered(opt: Optimizer) -> list[tuple[dict[str, Any], list[list[Tensor]]]] | None:
+    """Per group with a gradient: the group and the lists ``adam()`` takes (parameters, gradients, the two moments,
+    the max of the second (amsgrad), step counts); None where ``step()`` must run instead."""
     if not _plain_fused_adam(opt):
-        return False
-    calls = []
+        return None
+    gathered = []
     for group in opt.param_groups:
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
         amsgrad = group["amsgrad"]
@@ -52,7 +102,7 @@ def step_and_zero_grad(opt: Optimizer) -> bool:
                 continue
             state = opt.state.get(p)
             if not state or grad.is_sparse or p.is_complex():  # step() makes the state, or raises
-                return False
+                return None
             params.append(p)
             grads.append(grad)
             exp_avgs.append(state["exp_avg"])
@@ -61,19 +111,5 @@ def step_and_zero_grad(opt: Optimizer) -> bool:
                 max_exp_avg_sqs.append(state["max_exp_avg_sq"])
             steps.append(state["step"])
         if params:
-            calls.append((group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps))
-    with torch.no_grad():
-        for group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps in calls:
-            beta1, beta2 = group["betas"]
-            adam(
-                params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-                amsgrad=group["amsgrad"], has_complex=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-                foreach=group["foreach"], capturable=False, differentiable=False, fused=True,
-                decoupled_weight_decay=group["decoupled_weight_decay"],
-            )
-    opt._opt_called = True  # what an LR scheduler's wrapper of step() sets (its order check reads it)
-    for group in opt.param_groups:
-        for p in group["params"]:
-            p.grad = None
-    return True
+            gathered.append((group, [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps]))
+    return gathered

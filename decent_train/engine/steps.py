@@ -2,9 +2,16 @@
 
 With gradient clipping (by the whole model's norm) or fp16 loss scaling (an overflow on any worker skips the step on
 all), no bucket may step before backward has ended: the steps move to the end of backward, after one agreement.
+A worker alone defers too: it exchanges nothing, so a step inside backward overlaps nothing, and at the end its
+buckets' fused Adams run as one call per set of hyperparameters (:meth:`BucketSteps.merged`), the host work of one
+fused optimizer (scripts/BENCHMARKS.md, issue 37: the per-bucket steps were what a worker alone paid over a plain
+loop where the host is the bottleneck).
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -12,7 +19,7 @@ from loguru import logger
 
 from decent_train.engine.buckets import Bucket
 from decent_train.engine.comm import peers_must_answer, run_collective
-from decent_train.engine.fused_step import step_and_zero_grad
+from decent_train.engine.fused_step import step_and_zero_grad, step_and_zero_grad_many
 from decent_train.engine.membership import Membership
 
 __all__ = ["BucketSteps"]
@@ -21,13 +28,43 @@ __all__ = ["BucketSteps"]
 class BucketSteps:
     """How the buckets' optimizers step: at once, or ``deferred`` to the end of backward."""
 
-    def __init__(self, scaler: torch.amp.GradScaler | None, grad_clip_norm: float):
+    def __init__(self, scaler: torch.amp.GradScaler | None, grad_clip_norm: float, members: Membership | None = None):
         self.scaler = scaler
         self.grad_clip_norm = float(grad_clip_norm)
         self.scaled = scaler is not None and scaler.is_enabled()
-        self.deferred = self.grad_clip_norm > 0 or self.scaled
+        self.must_defer = self.grad_clip_norm > 0 or self.scaled
+        self.members = members
         self.overflow = False  # fp16: an inf/nan gradient on some worker at this step (read once per step)
         self._said_barrier = False
+        self._collected: list[Bucket] | None = None  # inside merged(): the buckets whose steps wait for its end
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the buckets step at the end of backward: clipping, loss scaling, or a worker alone (live
+        membership may change that between steps)."""
+        return self.must_defer or (self.members is not None and self.members.world_size == 1)
+
+    @contextlib.contextmanager
+    def merged(self) -> Iterator[None]:
+        """The steps of the buckets updated inside run at its end, their fused Adams as one ``adam()`` per set of
+        hyperparameters, where nothing reads the parameters between one bucket's step and the next's: a worker alone
+        launches no exchange after a step. Unscaled only (a scaled step may be skipped); elsewhere each step runs as
+        it comes. The update is the same to the bit (the kernel is elementwise)."""
+        if self.scaled or self.members is None or self.members.world_size != 1:
+            yield
+            return
+        self._collected = []
+        try:
+            yield
+            buckets = self._collected
+        finally:
+            self._collected = None
+        for optimizer in step_and_zero_grad_many([b.optimizer for b in buckets]):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        for bucket in buckets:
+            if bucket.scheduler is not None:
+                bucket.scheduler.step()
 
     def prepare(self, buckets: list[Bucket], members: Membership, step: int) -> None:
         """Unscale, agree on overflow across all workers, and clip by the whole model's gradient norm.
@@ -72,7 +109,11 @@ class BucketSteps:
 
     def step(self, bucket: Bucket) -> None:
         """The bucket's optimizer and scheduler step; with fp16 loss scaling, unless a gradient overflowed on some
-        worker (the bucket's gradients are unscaled already: what ``GradScaler.step`` does, without its host sync)."""
+        worker (the bucket's gradients are unscaled already: what ``GradScaler.step`` does, without its host sync).
+        Inside :meth:`merged` it waits for the block's end."""
+        if self._collected is not None:
+            self._collected.append(bucket)
+            return
         if self.scaled:
             if not self.overflow and bucket.has_grads():
                 bucket.optimizer.step()
