@@ -12,9 +12,11 @@ table shows each loop's median step time and the median of the rounds' ``loop / 
 plain loop). ``--variants`` adds engines built otherwise, to tell where time goes: ``update-thread`` (buckets
 update on a thread and CUDA stream of their own, not on autograd's thread), ``per-parameter-hooks`` (a hook per
 parameter), ``one-bucket``, ``foreach`` (torch's foreach AdamW instead of fused), ``deferred`` (every bucket steps
-at the end of backward), ``optimizer-step`` (each bucket's AdamW through torch's ``Optimizer.step()``, not
-engine/fused_step.py's direct call). ``--compile``
-compiles the model in every loop; ``--profile DIR`` writes torch.profiler's tables of a few steps of each loop. On CPU
+at the end of backward: what a worker alone does anyway), ``in-backward`` (each bucket steps inside backward, as with
+peers: a worker alone did so before its steps were merged), ``optimizer-step`` (each bucket's AdamW through torch's
+``Optimizer.step()``, not engine/fused_step.py's direct call). ``--compile`` compiles the model in every loop;
+``--fused`` takes torch's fused AdamW on the CPU too (on CUDA it is the default), ``--bucket-mb`` sets the engine's
+bucket size (25 MB); ``--profile DIR`` writes torch.profiler's tables of a few steps of each loop. On CPU
 the same command with small sizes (``--image-size 32 --batch-resnet 4 --gpt-layers 2 ...``) checks that it runs.
 """
 
@@ -28,6 +30,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from decent_train import DecentralizedDataParallel, optim_fn_adamw  # noqa: E402
 from decent_train.components.models import ModelConfig, build_model  # noqa: E402
+from decent_train.engine import fused_step  # noqa: E402
+from decent_train.engine.optimizers import param_groups_with_weight_decay  # noqa: E402
 from decent_train.engine.readiness import RELEARN_LIMIT  # noqa: E402
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -78,8 +83,15 @@ def loss_of(model: nn.Module, x: Tensor, y: Tensor, dtype: torch.dtype, device: 
     return F.cross_entropy(logits.flatten(0, -2).float(), y.flatten())
 
 
+def adamw(args: argparse.Namespace) -> Callable[[list[tuple[str, Tensor]]], torch.optim.Optimizer]:
+    """Both loops' AdamW: ``optim_fn_adamw`` (fused on CUDA), fused on the CPU too with ``--fused``."""
+    if not args.fused:
+        return partial(optim_fn_adamw, lr=1e-4)
+    return lambda named: torch.optim.AdamW(param_groups_with_weight_decay(named, 0.1), lr=1e-4, fused=True)
+
+
 def plain_loop(model: nn.Module, batch: tuple[Tensor, Tensor], args: argparse.Namespace, device: torch.device) -> Step:
-    optimizer = optim_fn_adamw(list(model.named_parameters()), lr=1e-4)
+    optimizer = adamw(args)(list(model.named_parameters()))
     scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
 
     def step() -> None:
@@ -92,21 +104,23 @@ def plain_loop(model: nn.Module, batch: tuple[Tensor, Tensor], args: argparse.Na
 
 
 ENGINE_VARIANTS = ("engine", "update-thread", "per-parameter-hooks", "one-bucket", "foreach", "deferred",
-                   "optimizer-step")
+                   "in-backward", "optimizer-step")
 
 
 def engine_loop(model: nn.Module, batch: tuple[Tensor, Tensor], args: argparse.Namespace, device: torch.device,
                 variant: str = "engine") -> Step:
     scaler = torch.amp.GradScaler(device.type) if args.precision == "fp16" else None
-    optim_fn = partial(optim_fn_adamw, lr=1e-4)
+    optim_fn = adamw(args)
     if variant == "foreach":
         optim_fn = lambda named: torch.optim.AdamW([p for _, p in named], lr=1e-4, weight_decay=0.1)  # noqa: E731
     engine = DecentralizedDataParallel(
-        model, optim_fn, topology="ring", scaler=scaler, bucket_size_in_mb=10**6 if variant == "one-bucket" else 25,
+        model, optim_fn, topology="ring", scaler=scaler, bucket_size_in_mb=10**6 if variant == "one-bucket" else args.bucket_mb,
         update_thread=variant == "update-thread",
     )
     if variant == "deferred":
         engine._context.steps.must_defer = True
+    if variant == "in-backward":  # without its membership the steps do not know this worker is alone
+        engine._context.steps.members = None
     if variant == "optimizer-step":  # a step hook: engine/fused_step.py declines, Optimizer.step() runs
         for optimizer in engine.optimizers:
             optimizer.register_step_pre_hook(lambda *args: None)
@@ -123,14 +137,31 @@ def engine_loop(model: nn.Module, batch: tuple[Tensor, Tensor], args: argparse.N
 
 
 def host_calls(step: Step) -> dict[str, float]:
-    """Gradient hooks fired and optimizer steps taken in one step of an engine loop (after its warmup)."""
-    engine, steps = step.engine, [0]  # type: ignore[attr-defined]
-    handles = [o.register_step_post_hook(lambda *a: steps.__setitem__(0, steps[0] + 1)) for o in engine.optimizers]
+    """Gradient hooks fired and optimizer calls made in one step of an engine loop (after its warmup): functional
+    ``adam()`` calls (engine/fused_step.py: one per bucket and group, or one per set of hyperparameters for a worker
+    alone) and ``Optimizer.step()`` calls (counted on the class, so that the fast path still takes the buckets)."""
+    engine, counts = step.engine, {"adam": 0, "step": 0}  # type: ignore[attr-defined]
+    functional, classes = fused_step.adam, {type(o) for o in engine.optimizers}
+    originals = {cls: cls.step for cls in classes}
+
+    def counted(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return call(*args, **kwargs)
+        return run
+
     hooks = engine._readiness.hooks_fired
-    step()
-    for handle in handles:
-        handle.remove()
-    return {"hooks": engine._readiness.hooks_fired - hooks, "optimizer_steps": steps[0], "buckets": len(handles)}
+    fused_step.adam = counted("adam", functional)  # type: ignore[assignment]
+    for cls, original in originals.items():
+        cls.step = counted("step", original)  # type: ignore[method-assign]
+    try:
+        step()
+    finally:
+        fused_step.adam = functional  # type: ignore[assignment]
+        for cls, original in originals.items():
+            cls.step = original  # type: ignore[method-assign]
+    return {"hooks": engine._readiness.hooks_fired - hooks, "optimizer_steps": counts["adam"] + counts["step"],
+            "buckets": len(engine.optimizers)}
 
 
 def seconds_of(step: Step, steps: int, device: torch.device) -> float:
@@ -207,6 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--variants", default="", help=f"engine variants besides the engine: {', '.join(ENGINE_VARIANTS[1:])}")
     p.add_argument("--compile", action="store_true", help="compile the model (in place) in every loop")
+    p.add_argument("--fused", action="store_true", help="torch's fused AdamW on the CPU too (CUDA: always)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="the engine's bucket size")
     p.add_argument("--profile", type=Path, default=None, help="write torch.profiler tables of 5 steps per loop here")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -248,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
         for variant in ["engine", *variants]:
             calls, rounds = r[f"{variant}_per_step"], r[f"{variant}_over_plain_rounds"]
             print(f"| {name} | {variant} ({calls['buckets']} buckets: {calls['hooks']} hooks, {calls['optimizer_steps']} "
-                  f"optimizer steps per step) | {r[f'{variant}_ms']:.2f} | {r[f'{variant}_over_plain']:.3f}x | "
+                  f"optimizer calls per step) | {r[f'{variant}_ms']:.2f} | {r[f'{variant}_over_plain']:.3f}x | "
                   f"{min(rounds):.3f}-{max(rounds):.3f}x |")
     if args.json:
         arguments = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
