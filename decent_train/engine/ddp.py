@@ -194,9 +194,6 @@ class DecentralizedDataParallel(nn.Module):
         self._sync_buffer_in_global_avg = sync_buffer_in_global_avg
         self._progress = Progress()
         self._accumulating = False
-        self._armed = False  # a training forward ran since the last step
-        self._backward_started = False
-        self._next_bucket = 0  # buckets are processed strictly in index order (same on all ranks)
         self._global_average: _GlobalAverage | None = None
 
         if from_rank0:
@@ -291,7 +288,7 @@ class DecentralizedDataParallel(nn.Module):
                     "continuing from the global average (as global_avg(will_revert=False))"
                 )
                 self._drop_pending_exchanges()
-            self._armed = True
+            self._progress.armed = True
             self._readiness.start_step()
         output = self.module(*args, **kwargs)
         if training_step:
@@ -306,8 +303,8 @@ class DecentralizedDataParallel(nn.Module):
         the step at the end of backward even if no parameter gets a gradient (its peers would wait for its exchange)."""
         if self._progress.step != forward_step and not self._accumulating:
             raise RuntimeError(_SECOND_BACKWARD)
-        if self._armed and not self._accumulating and not self._backward_started:
-            self._backward_started = True
+        if self._progress.armed and not self._accumulating and not self._progress.backward_started:
+            self._progress.backward_started = True
             Variable._execution_engine.queue_callback(self._finish_backward)
 
     def set_accumulate_grad(self, enable: bool = True) -> None:
@@ -326,16 +323,17 @@ class DecentralizedDataParallel(nn.Module):
     def _on_grad_ready(self, bucket: Bucket, param: nn.Parameter) -> None:
         if self._accumulating:
             return
-        if not self._armed:
+        if not self._progress.armed:
             raise RuntimeError(_SECOND_BACKWARD)
-        if not self._backward_started:
-            self._backward_started = True
+        if not self._progress.backward_started:
+            self._progress.backward_started = True
             Variable._execution_engine.queue_callback(self._finish_backward)
         if not self._readiness.arrived(bucket, param):
             return
-        while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].complete:
-            self._on_bucket_ready(self._buckets[self._next_bucket])
-            self._next_bucket += 1
+        progress, buckets = self._progress, self._buckets
+        while progress.next_bucket < len(buckets) and buckets[progress.next_bucket].complete:
+            self._on_bucket_ready(buckets[progress.next_bucket])
+            progress.next_bucket += 1
 
     def _on_bucket_ready(self, bucket: Bucket, ended: bool = False) -> None:
         """A bucket's gradients are all there (buckets come strictly in index order, the same on every rank); once
@@ -355,7 +353,7 @@ class DecentralizedDataParallel(nn.Module):
         if self._updates is not None:
             self._updates.drain()
         self._readiness.end_of_backward(mode.updates_in_backward and not steps.deferred)
-        for bucket in self._buckets[self._next_bucket :]:
+        for bucket in self._buckets[self._progress.next_bucket :]:
             self._on_bucket_ready(bucket, ended=True)
         for bucket in self._buckets:  # in launch order: each updates while the later buckets' sums are in flight
             mode.gather(bucket)
@@ -368,8 +366,8 @@ class DecentralizedDataParallel(nn.Module):
                     mode.update(bucket)
         steps.end_step()
         self._readiness.finish()
-        self._next_bucket = 0
-        self._armed = self._backward_started = False
+        self._progress.next_bucket = 0
+        self._progress.armed = self._progress.backward_started = False
         self._progress.step += 1
         if self._global_avg_every and mode.topology is not None and self._progress.step % self._global_avg_every == 0:
             self.global_avg(will_revert=False)
@@ -392,7 +390,7 @@ class DecentralizedDataParallel(nn.Module):
         floating-point optimizer state (momentum, Adam's moments) by their averages, so the workers stay equal from
         then on. Entering gossip starts the new topology's first exchange: the next step mixes with its round 0.
         """
-        if self._armed or self._backward_started:
+        if self._progress.armed or self._progress.backward_started:
             raise RuntimeError("switch_to() between steps only: after backward, before the next training forward")
         if self._global_average is not None:
             raise RuntimeError("switch_to() inside global_avg(will_revert=True): call revert_global_avg() first")
@@ -415,7 +413,7 @@ class DecentralizedDataParallel(nn.Module):
         """Between steps, before the default group is reconfigured (``fault_tolerant``): complete the exchanges in
         flight (a dead peer's messages settle as missing) and drop them on every member alike, so that no member
         mixes what another does not. Every member then relaunches the same values over the new topology."""
-        if self._armed or self._backward_started:
+        if self._progress.armed or self._progress.backward_started:
             raise RuntimeError("prepare_membership_change() between steps only")
         for bucket in self._buckets:
             self._context.wait_pending(bucket, dropping=True)

@@ -35,10 +35,15 @@ over all workers, then the bucket steps, so the workers stay equal (torch DDP's 
 
 @dataclass
 class Progress:
-    """Where training is: optimizer steps taken (the round of the next mix), and the mixing's damping."""
+    """Where training is: optimizer steps taken (the round of the next mix), the mixing's damping, and where the step
+    in progress is. (Set each step on this plain object, not on the engine: ``nn.Module.__setattr__`` costs a
+    microsecond or more per set on autograd's thread.)"""
 
     step: int = 0
     adaptive_factor: float = 1.0
+    armed: bool = False  # a training forward ran since the last step
+    backward_started: bool = False
+    next_bucket: int = 0  # buckets are processed strictly in index order (same on all ranks)
 
 
 def profiled(name: str) -> contextlib.AbstractContextManager:
@@ -201,6 +206,7 @@ class GossipMode:
         rank, rounds = context.members.rank, range(topology.period)
         self.my_stages: list[list[Edge]] = [topology.edges(r, rank) for r in rounds]  # this worker's group per stage
         self.async_stages: list[int] = [topology.async_stage(r) for r in rounds]  # the stage overlapped, per round
+        self.alone: list[bool] = [all(edge.size == 1 for edge in stages) for stages in self.my_stages]  # per round
 
     @property
     def label(self) -> str:
@@ -219,21 +225,31 @@ class GossipMode:
     def gather(self, bucket: Bucket) -> None:
         pass
 
-    @torch.no_grad()
     def update(self, bucket: Bucket) -> None:
-        """Mix with the neighbours' x^s, take the local step, launch the exchange of x^{s+1}."""
+        """Mix with the neighbours' x^s, take the local step, launch the exchange of x^{s+1}. Called once per bucket
+        per step on autograd's thread, where grad mode is off already and a profiler rarely records: the context
+        managers are entered only where they do something."""
+        if torch.is_grad_enabled():  # (the update thread's, or a caller's outside backward)
+            with torch.no_grad():
+                return self.update(bucket)
+        round_ = self.round_of(self.context.progress.step + 1)
+        if not torch._C._autograd._profiler_enabled():
+            self.mix(bucket)
+            self.context.steps.step(bucket)
+            self.launch(bucket, round_)
+            return
         with profiled("decent_train.mix"):
             self.mix(bucket)
         self.context.steps.step(bucket)
         with profiled("decent_train.launch"):
-            self.launch(bucket, self.round_of(self.context.progress.step + 1))
+            self.launch(bucket, round_)
 
     def launch(self, bucket: Bucket, round_: int) -> None:
         """Start the exchange of x^{s+1} in round ``round_``: the stages before its overlapped stage now, that one in
         the background."""
-        stages, async_stage = self.my_stages[round_], self.async_stages[round_]
-        if all(edge.size == 1 for edge in stages):
+        if self.alone[round_]:
             return
+        stages, async_stage = self.my_stages[round_], self.async_stages[round_]
         bucket.read_params(self.context.param_as_bucket_view)
         exchanger, value = self.context.exchanger, bucket.flat
         for edge in stages[:async_stage]:

@@ -47,7 +47,7 @@ class GradientReadiness:
         self._handles: list[Any] = []
         self._last: list[nn.Parameter | None] = [None] * len(buckets)  # per bucket: the parameter heard last
         self._arrived: set[int] = set()  # per-parameter mode: ids of the parameters whose gradient came
-        self._before: list[list[tuple[Tensor | None, int]]] = []  # bucket mode: each gradient at the forward
+        self._before: list[list[tuple[int, Tensor, int]]] = []  # bucket mode: the gradients there at the forward
         self._fired: set[int] = set()  # bucket mode: buckets whose hook fired in this backward
         self._reorder = False  # bucket mode: gradients came in another order in this backward
         self._completed: list[int] = []  # the buckets complete in this backward, in the order they completed
@@ -71,9 +71,10 @@ class GradientReadiness:
         self.on_gradient(bucket, param)
 
     def start_step(self) -> None:
-        """At a training forward (bucket mode): note each gradient as it is, so the check can tell a new one."""
+        """At a training forward (bucket mode): note each gradient there is (position, tensor, version), so the check
+        can tell a new one. A step sets the gradients to None, so there are usually none to note."""
         if not self.per_parameter:
-            self._before = [[(p.grad, p.grad._version if p.grad is not None else 0) for p in b.params]
+            self._before = [[(i, g, g._version) for i, g in enumerate([p.grad for p in b.params]) if g is not None]
                             for b in self.buckets]
 
     def arrived(self, bucket: Bucket, param: nn.Parameter) -> bool:
@@ -105,14 +106,19 @@ class GradientReadiness:
     def _stale(self, bucket: Bucket) -> Iterator[int]:
         """Bucket mode: the positions of ``bucket``'s parameters whose gradient is not new since the training forward
         (none yet, or the same tensor at the same version)."""
-        before = self._before[bucket.index] if self._before else [(None, 0)] * len(bucket.params)
-        for i, (p, (grad, version)) in enumerate(zip(bucket.params, before)):
+        before = {i: (grad, version) for i, grad, version in self._before[bucket.index]} if self._before else {}
+        for i, p in enumerate(bucket.params):
             now = p.grad
-            if now is None or (now is grad and now._version == version):
+            if now is None or (i in before and now is before[i][0] and now._version == before[i][1]):
                 yield i
 
     def _all_new(self, bucket: Bucket) -> bool:
-        return next(self._stale(bucket), None) is None
+        """Whether every gradient of ``bucket`` is new: :meth:`_stale` finds none (on the hook's path, so in lists)."""
+        grads = [p.grad for p in bucket.params]
+        if True in [g is None for g in grads]:
+            return False
+        before = self._before[bucket.index] if self._before else ()
+        return not any(grads[i] is grad and grad._version == version for i, grad, version in before)
 
     def _missing(self, bucket: Bucket) -> list[str]:
         """Names of ``bucket``'s parameters without a gradient from this backward so far (end of backward only)."""
