@@ -293,7 +293,7 @@ class DecentralizedDataParallel(nn.Module):
         output = self.module(*args, **kwargs)
         if training_step:
             step = self._progress.step
-            for tensor in tree_flatten(output)[0]:
+            for tensor in (output,) if isinstance(output, Tensor) else tree_flatten(output)[0]:
                 if isinstance(tensor, Tensor) and tensor.requires_grad:
                     tensor.register_hook(lambda grad, step=step: self._check_not_stepped(step))
         return output
