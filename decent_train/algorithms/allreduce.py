@@ -15,6 +15,7 @@ from decent_train.components.metrics import allreduce_bytes_per_step
 from decent_train.components.optim import make_optim_fn
 from decent_train.config import TrainConfig
 from decent_train.engine.optimizers import LRSchedulerFn
+from decent_train.engine.schedule_resume import load_scheduler_state
 
 
 @register("allreduce")
@@ -30,7 +31,7 @@ class AllReduce(Algorithm):
         self.model = DistributedDataParallel(net, device_ids=device_ids, bucket_cap_mb=cfg.bucket_size_mb)
         self.net = net
         self.optimizer = make_optim_fn(cfg.optim)(list(net.named_parameters()))
-        self.scheduler = schedule(self.optimizer)
+        self.schedule, self.scheduler = schedule, schedule(self.optimizer)
         self.grad_clip_norm = cfg.grad_clip_norm
 
     def state_dict(self) -> dict[str, Any]:
@@ -46,7 +47,8 @@ class AllReduce(Algorithm):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        # After the optimizer's state: another schedule (steps=, warmup) sets the groups' LR to its own.
+        load_scheduler_state(self.scheduler, state["scheduler"], self.schedule, {})
         self.scaler.load_state_dict(state["scaler"])
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:

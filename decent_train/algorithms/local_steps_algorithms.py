@@ -27,6 +27,7 @@ from decent_train.components.metrics import ConsensusProbe
 from decent_train.components.optim import make_optim_fn
 from decent_train.config import AlgorithmConfig, AlgorithmTraits, TrainConfig
 from decent_train.engine.optimizers import LRSchedulerFn
+from decent_train.engine.schedule_resume import load_scheduler_state
 
 
 @dataclass
@@ -105,7 +106,7 @@ class FrontAlgorithm(Algorithm):
         self.model = self.net = net  # no wrapper: nothing communicates in backward
         self.scaler, self.grad_clip_norm = scaler, cfg.grad_clip_norm
         self.inner = make_optim_fn(cfg.optim)(list(net.named_parameters()))
-        self.scheduler = schedule(self.inner)
+        self.schedule, self.scheduler = schedule, schedule(self.inner)
         self.options = cfg.algorithm
         self.consensus_every = cfg.logger.consensus_every
         self._topology_name = cfg.topology.name
@@ -167,7 +168,8 @@ class FrontAlgorithm(Algorithm):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.inner.load_state_dict(state["inner"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        # After the optimizer's state: another schedule (steps=, warmup) sets the groups' LR to its own.
+        load_scheduler_state(self.scheduler, state["scheduler"], self.schedule, {})
         self.scaler.load_state_dict(state["scaler"])
         self.front.load_state_dict(state["front"])
 

@@ -39,6 +39,7 @@ from decent_train.components.models import shard_units
 from decent_train.config import TrainConfig
 from decent_train.engine.membership import average_tensors_, local_part
 from decent_train.engine.optimizers import LRSchedulerFn
+from decent_train.engine.schedule_resume import load_scheduler_state
 
 __all__ = ["ShardedFront", "ShardedGossip", "ShardedDiLoCo", "ShardedLocalSGD", "SHARDED", "shard_model",
            "mixed_precision_policy"]
@@ -145,7 +146,8 @@ class ShardedFront(FrontAlgorithm):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """After ``load_sharded_state``: the front restarts an exchange due from the anchors loaded there. The buffers
         are this rank's own (an averaged resume: every saved rank's average)."""
-        self.scheduler.load_state_dict(state["scheduler"])
+        # After the optimizer's state: another schedule (steps=, warmup) sets the groups' LR to its own.
+        load_scheduler_state(self.scheduler, state["scheduler"], self.schedule, {})
         self.scaler.load_state_dict(state["scaler"])
         for name, value in state["buffers"].items():
             self.net.get_buffer(name).copy_(value)

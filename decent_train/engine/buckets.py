@@ -47,6 +47,7 @@ class Bucket(ExchangeBuffers):
     views: list[Tensor]  # each parameter's slice of ``flat``
     optimizer: Optimizer
     scheduler: LRScheduler | None
+    lr_scheduler_fn: LRSchedulerFn | None = None  # what built ``scheduler``: a resume may rebuild its position
     pending: PendingExchange | None = None
     ready: int = 0  # parameters whose gradient arrived in this backward
     grads: Tensor | None = None
@@ -163,7 +164,7 @@ def _make_bucket(
     scheduler = lr_scheduler_fn(optimizer) if lr_scheduler_fn is not None else None
     bucket = Bucket(
         index=index, flat=flat, comm=flat.new_zeros(0), names=names, params=params, views=views, optimizer=optimizer,
-        scheduler=scheduler,
+        scheduler=scheduler, lr_scheduler_fn=lr_scheduler_fn,
     )
     if hasattr(optimizer, "pre_average_hook"):  # decent-dp's extension point reads the received values here
         if compressed:

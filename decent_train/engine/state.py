@@ -13,6 +13,7 @@ import torch
 
 from decent_train.engine.buckets import Bucket
 from decent_train.engine.modes import GossipMode, Mode, ModeContext
+from decent_train.engine.schedule_resume import load_scheduler_state
 
 __all__ = ["averageable_state", "engine_state_dict", "load_engine_state_dict"]
 
@@ -75,11 +76,12 @@ def load_engine_state_dict(buckets: list[Bucket], context: ModeContext, mode: Mo
     scaler = context.steps.scaler
     if scaler is not None and state["scaler"] is not None:
         scaler.load_state_dict(state["scaler"])
+    rebuilt: dict[str, dict[str, Any]] = {}  # LR schedules of another configuration, stepped once for every bucket
     for bucket, saved in zip(buckets, state["buckets"]):
         context.wait_pending(bucket)  # nothing may still write into ``comm``
         bucket.optimizer.load_state_dict(saved["optimizer"])
         if bucket.scheduler is not None and saved["scheduler"] is not None:
-            bucket.scheduler.load_state_dict(saved["scheduler"])
+            load_scheduler_state(bucket.scheduler, saved["scheduler"], bucket.lr_scheduler_fn, rebuilt)
         bucket.read_params(context.param_as_bucket_view)
         compressed = saved.get("compressed")
         if averaged:
