@@ -153,13 +153,11 @@ def test_the_new_schedule_is_stepped_once_for_buckets_of_the_same_configuration(
     buckets = [_optimizer_and_scheduler(SchedulerConfig(warmup_steps=2), 40) for _ in range(3)]
     rebuilt: dict[Any, Any] = {}
     lines: list[str] = []
-    sink = logger.add(lines.append, level="INFO", format="{message}")
-    logger.enable("decent_train")
+    sink = logger.add(lines.append, level="INFO", format="{message}")  # (tests/conftest.py enables the package's logs)
     try:
         for _, fresh in buckets:
             load_scheduler_state(fresh, saved, counted, rebuilt)
     finally:
-        logger.disable("decent_train")
         logger.remove(sink)
     assert len(built) == 1
     assert len(lines) == 1 and "from step 10" in lines[0], lines
