@@ -91,7 +91,8 @@ class HostStore:
             return
         compute = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)  # fresh blocks may be memory that queued work still uses; the parameters too
-        writers = {id(e): e for e in (self._written.get(h.untyped_storage().data_ptr()) for h in homes) if e}
+        writers = {id(e): e for e in (self._written.get(h.untyped_storage().data_ptr()) for h in homes)
+                   if e is not None}
         for event in writers.values():
             self.stream.wait_event(event)
         with torch.cuda.stream(self.stream):

@@ -23,6 +23,7 @@ from torch.optim.adam import adam
 __all__ = ["step_and_zero_grad", "step_and_zero_grad_many"]
 
 _ADAMS = (Adam, AdamW)
+_HYPERPARAMETERS = ("lr", "betas", "weight_decay", "eps", "maximize", "amsgrad", "foreach", "decoupled_weight_decay")
 
 
 def _plain_fused_adam(opt: Optimizer) -> bool:
@@ -82,9 +83,6 @@ def step_and_zero_grad_many(opts: list[Optimizer]) -> list[Optimizer]:
             for p in group["params"]:
                 p.grad = None
     return declined
-
-
-_HYPERPARAMETERS = ("lr", "betas", "weight_decay", "eps", "maximize", "amsgrad", "foreach", "decoupled_weight_decay")
 
 
 def _gathered(opt: Optimizer) -> list[tuple[dict[str, Any], list[list[Tensor]]]] | None:

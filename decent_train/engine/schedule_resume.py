@@ -39,12 +39,13 @@ def load_scheduler_state(
     Without ``lr_scheduler_fn`` (a scheduler of unknown origin) ``saved`` is loaded as it is.
     """
     current = scheduler.state_dict()
-    if lr_scheduler_fn is None or _shape(current) == _shape(saved):
+    shape = _shape(current)
+    if lr_scheduler_fn is None or shape == _shape(saved):
         scheduler.load_state_dict(saved)
         return
     base_lrs = _base_lrs(current, scheduler)
     position = int(saved["last_epoch"])
-    key = repr((_shape(current), base_lrs, position))
+    key = repr((shape, base_lrs, position))
     if key not in rebuilt:
         if not rebuilt:
             logger.info(f"the LR schedule differs from the checkpoint's (another steps= or warmup): it follows this "

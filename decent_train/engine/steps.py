@@ -39,10 +39,14 @@ class BucketSteps:
         self._collected: list[Bucket] | None = None  # inside merged(): the buckets whose steps wait for its end
 
     @property
+    def alone(self) -> bool:
+        """A worker alone: nothing to exchange (live membership may change that between steps)."""
+        return self.members is not None and self.members.world_size == 1
+
+    @property
     def deferred(self) -> bool:
-        """Whether the buckets step at the end of backward: clipping, loss scaling, or a worker alone (live
-        membership may change that between steps)."""
-        return self.must_defer or (self.members is not None and self.members.world_size == 1)
+        """Whether the buckets step at the end of backward: clipping, loss scaling, or a worker alone."""
+        return self.must_defer or self.alone
 
     @contextlib.contextmanager
     def merged(self) -> Iterator[None]:
@@ -50,7 +54,7 @@ class BucketSteps:
         hyperparameters, where nothing reads the parameters between one bucket's step and the next's: a worker alone
         launches no exchange after a step. Unscaled only (a scaled step may be skipped); elsewhere each step runs as
         it comes. The update is the same to the bit (the kernel is elementwise)."""
-        if self.scaled or self.members is None or self.members.world_size != 1:
+        if self.scaled or not self.alone:
             yield
             return
         self._collected = []
