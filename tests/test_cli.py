@@ -142,6 +142,11 @@ BAD_INPUTS = {
                                               "set launch.nproc_per_node"])}
        if not torch.cuda.is_available() else {}),
     "engine environment": ([], ["DECENT_TRAIN_COMPILED_INT8='yes'", "auto, always, never"]),
+    "unresolvable rendezvous host": (  # .invalid never resolves (RFC 2606); torch's client would retry it for 60 s
+        ["launch.nnodes=2", "launch.rdzv_endpoint=no-such-host.invalid:29500", "launch.rdzv_id=t"],
+        ["launch.rdzv_endpoint=no-such-host.invalid:29500", "cannot resolve the host 'no-such-host.invalid'"]),
+    "rendezvous port": (["launch.nnodes=2", "launch.rdzv_endpoint=node1:99999", "launch.rdzv_id=t"],
+                        ["launch.rdzv_endpoint=node1:99999", "is not an endpoint", "a port in 1..65535"]),
 }
 BAD_ENVIRONMENT = {"engine environment": {"DECENT_TRAIN_COMPILED_INT8": "yes"}}
 

@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 DEVICES = ("cpu", "cuda", "auto")
-# torch's c10d rendezvous defaults (dynamic_rendezvous.py), which the launch config's defaults keep.
-TORCH_LAST_CALL_S, TORCH_KEEP_ALIVE_S = 30, 5
+# torch's c10d rendezvous defaults (dynamic_rendezvous.py, c10d_rendezvous_backend.py), which the launch config's
+# defaults keep.
+TORCH_LAST_CALL_S, TORCH_KEEP_ALIVE_S, TORCH_STORE_TIMEOUT_S = 30, 5, 60
 _NODE_RANGE = re.compile(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?")
 
 
@@ -50,6 +51,8 @@ class LaunchConfig:
     # nnodes!=1: once MIN nodes have joined, the rendezvous waits this long for more
     rdzv_last_call_s: int = TORCH_LAST_CALL_S
     rdzv_keep_alive_s: int = TORCH_KEEP_ALIVE_S  # nnodes!=1: agents' heartbeat; a node silent for 3 of them has left
+    # nnodes!=1: how long a node waits for the rendezvous store (to reach the first node's, and for each request)
+    rdzv_store_timeout_s: int = TORCH_STORE_TIMEOUT_S
     threads_per_worker: Optional[int] = None  # OMP_NUM_THREADS of each worker; null: CPU cores / workers per node
     slurm: SlurmConfig = field(default_factory=SlurmConfig)  # hydra/launcher=slurm: the sweep's allocation
 
@@ -72,7 +75,7 @@ class LaunchConfig:
                 f"launch.nnodes={self.nnodes} needs launch.rdzv_endpoint=HOST:PORT (the first node) and "
                 "launch.rdzv_id=ID, the same for every node"
             )
-        for key in ("rdzv_last_call_s", "rdzv_keep_alive_s"):
+        for key in ("rdzv_last_call_s", "rdzv_keep_alive_s", "rdzv_store_timeout_s"):
             if getattr(self, key) < 1:
                 raise ValueError(f"launch.{key}={getattr(self, key)} must be >= 1 (whole seconds)")
         if self.threads_per_worker is not None and self.threads_per_worker < 1:

@@ -50,8 +50,10 @@ from decent_train.launcher import help as help_module
 from decent_train.launcher.help import group_options, help_text
 from decent_train.launcher.launch import (
     Interrupted,
+    RendezvousFailed,
     WorkerFailure,
     check_devices,
+    check_rendezvous_endpoint,
     format_command,
     launch_workers,
     slurm_rendezvous,
@@ -120,6 +122,8 @@ def _run_job(cfg: DictConfig) -> float | None:
             if error.traceback:
                 print(error.traceback, file=sys.stderr)
             _exit_with(f"{message} (its log: {HydraConfig.get().runtime.output_dir}/logs/)", 1)
+        if isinstance(error, RendezvousFailed):  # not the input's fault alone: the network, or the other nodes
+            _exit_with(message, 1)
         _drop_refused_run_dir(Path(HydraConfig.get().runtime.output_dir))
         _exit_with(message, 2)
 
@@ -157,6 +161,7 @@ def _check_and_launch(cfg: DictConfig) -> float | None:
         # One Hydra job on each node of a SLURM allocation (hydra/launcher=slurm with launch.nnodes > 1).
         cfg.launch.rdzv_endpoint, cfg.launch.rdzv_id = slurm_rendezvous()
     train_cfg = check_config(cfg)
+    check_rendezvous_endpoint(train_cfg.launch)
     if train_cfg.fault_tolerance.live and train_cfg.fault_tolerance.role == "agent":
         return _run_agent(train_cfg, run_dir)
     preflight(train_cfg)
@@ -309,7 +314,8 @@ _LIST_ENTRIES = {PhaseConfig: "in each entry of phases"}  # list entries: OmegaC
 
 def describe_error(error: BaseException) -> str | None:
     """One line naming the bad value and what is valid, for errors caused by the user's input; None for bugs."""
-    if isinstance(error, (ValueError, WorkerFailure, JobFailed)) and not isinstance(error, OmegaConfBaseException):
+    if (isinstance(error, (ValueError, WorkerFailure, JobFailed, RendezvousFailed))
+            and not isinstance(error, OmegaConfBaseException)):
         return str(error)
     if isinstance(error, OSError) and _raised_by_hydra_output(error):
         return unwritable_run_dir(error)

@@ -7,6 +7,7 @@ import logging
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import uuid
@@ -17,9 +18,15 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError, RendezvousConnectionError, RendezvousError, RendezvousTimeoutError,
+)
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import DEFAULT_PORT as RENDEZVOUS_DEFAULT_PORT
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig as ElasticLaunchConfig
 from torch.distributed.launcher.api import elastic_launch
 
+from decent_train.components.launch import TORCH_STORE_TIMEOUT_S
 from decent_train.config import TORCH_KEEP_ALIVE_S, TORCH_LAST_CALL_S, LaunchConfig
 from decent_train.training.stop import AGENT_PID_ENV, FORWARDED, REQUEST_FILE, STOP_SIGNALS
 
@@ -40,6 +47,33 @@ class WorkerFailure(RuntimeError):
         self.traceback = traceback
 
 
+class RendezvousFailed(RuntimeError):
+    """This node's agent could not join the job's rendezvous (launch.rdzv_endpoint): the message says why, in one
+    line; no worker started on this node."""
+
+
+def check_rendezvous_endpoint(cfg: LaunchConfig) -> None:
+    """Raise ``ValueError`` (one line) if ``launch.rdzv_endpoint`` is not HOST[:PORT] with a host this node resolves.
+
+    torch's store client retries a name that never resolves for its whole timeout (60 s by default) and then ends in
+    a traceback; a typo in the endpoint is the common cause, and found here before anything starts."""
+    if not cfg.rdzv_endpoint:
+        return
+    try:
+        host, port = parse_rendezvous_endpoint(cfg.rdzv_endpoint, default_port=RENDEZVOUS_DEFAULT_PORT)
+    except ValueError:
+        host, port = "", 0
+    if not host or not 1 <= port <= 65535:  # torch's parser takes port 0: a port of its own on every node
+        raise ValueError(f"launch.rdzv_endpoint={cfg.rdzv_endpoint} is not an endpoint; valid: HOST:PORT of the "
+                         "first node, with a port in 1..65535") from None
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as error:
+        why = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        raise ValueError(f"launch.rdzv_endpoint={cfg.rdzv_endpoint}: this node cannot resolve the host {host!r} "
+                         f"({why}); valid: HOST:PORT of the first node, a name or address every node resolves") from None
+
+
 def torchrun_command(cfg: LaunchConfig, config_path: Path) -> list[str]:
     """The torchrun command line equivalent to :func:`launch_workers` (what cluster scripts run on each node)."""
     if cfg.rdzv_endpoint:
@@ -49,8 +83,9 @@ def torchrun_command(cfg: LaunchConfig, config_path: Path) -> list[str]:
             f"--rdzv-endpoint={cfg.rdzv_endpoint}",
             f"--rdzv-id={cfg.rdzv_id or 'RUN_ID'}",
         ]
-        if (cfg.rdzv_last_call_s, cfg.rdzv_keep_alive_s) != (TORCH_LAST_CALL_S, TORCH_KEEP_ALIVE_S):
-            rendezvous.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in _rendezvous_settings(cfg).items()))
+        changed = {k: v for k, v in _rendezvous_settings(cfg).items() if v != TORCH_RENDEZVOUS_DEFAULTS[k]}
+        if changed:
+            rendezvous.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in changed.items()))
     else:
         rendezvous = ["--standalone"]
     return [
@@ -129,6 +164,8 @@ def launch_workers(cfg: LaunchConfig, config_path: Path) -> signal.Signals | Non
             raise _failure(error) from None
         except SignalException as error:
             raise Interrupted(forward.killed or error.sigval) from None
+        except RendezvousError as error:
+            raise RendezvousFailed(_rendezvous_failure(cfg, error)) from None
 
 
 class StopForwarding:
@@ -202,10 +239,35 @@ def _workers() -> list[int]:
     return found
 
 
+TORCH_RENDEZVOUS_DEFAULTS = {"last_call_timeout": TORCH_LAST_CALL_S, "keep_alive_interval": TORCH_KEEP_ALIVE_S,
+                             "read_timeout": TORCH_STORE_TIMEOUT_S}
+
+
 def _rendezvous_settings(cfg: LaunchConfig) -> dict[str, int]:
     """torch's c10d rendezvous options (``--rdzv-conf``) that a membership change waits on: a lost node is dropped
-    after 3 missed heartbeats, and the rest go on once ``last_call`` has passed without more nodes."""
-    return {"last_call_timeout": cfg.rdzv_last_call_s, "keep_alive_interval": cfg.rdzv_keep_alive_s}
+    after 3 missed heartbeats, and the rest go on once ``last_call`` has passed without more nodes; and how long a
+    node waits for the store (``read_timeout``: to reach it, and for each request)."""
+    return {"last_call_timeout": cfg.rdzv_last_call_s, "keep_alive_interval": cfg.rdzv_keep_alive_s,
+            "read_timeout": cfg.rdzv_store_timeout_s}
+
+
+def _rendezvous_failure(cfg: LaunchConfig, error: RendezvousError) -> str:
+    """One line for a failed rendezvous: what failed, torch's reason (the first line of the error it wraps, without
+    the C++ frames), and what to check."""
+    endpoint = cfg.rdzv_endpoint or "localhost (this node alone)"
+    cause = error.__cause__ or error.__context__
+    reason = next((line.strip() for line in str(cause or error).splitlines() if line.strip()), type(error).__name__)
+    if isinstance(error, RendezvousConnectionError):
+        return (f"launch.rdzv_endpoint={endpoint}: no rendezvous store answered there within "
+                f"launch.rdzv_store_timeout_s={cfg.rdzv_store_timeout_s} s ({reason}); it must be HOST:PORT of the "
+                "first node, whose decent-train (or torchrun) hosts the store there, reachable from this node")
+    if isinstance(error, RendezvousTimeoutError):
+        return (f"launch.nnodes={cfg.nnodes}: not enough nodes joined the rendezvous {cfg.rdzv_id!r} at {endpoint} in "
+                "time; start decent-train on every node with the same launch.rdzv_endpoint and launch.rdzv_id")
+    if isinstance(error, RendezvousClosedError):
+        return (f"launch.rdzv_id={cfg.rdzv_id}: the rendezvous at {endpoint} is closed: the job under that id has "
+                "ended on the other nodes (or failed there); give a fresh launch.rdzv_id to start another")
+    return f"launch.rdzv_endpoint={endpoint}: the rendezvous failed ({type(error).__name__}: {reason})"
 
 
 def check_devices(device: str, nproc_per_node: int, cuda_available: bool, gpus: int) -> None:
