@@ -3,9 +3,10 @@
 ``check_config`` checks values and their combinations (cheap, and again in every worker); what needs the disk, the
 user's code or every world size an elastic job may run at is here, so that a mistake still ends in one line with
 exit status 2 instead of a failed worker: the run directory takes files, the dataset's files (npz: their arrays'
-shapes and labels, and that the model takes their samples), the partition against each world size,
-importing ``topology.module``, building every topology the run gossips over, ``resume``'s checkpoints (every rank's
-file against its manifest's checksum), and the engine's environment variables (``DECENT_TRAIN_HOST_MALLOC``,
+shapes and labels, and that the model takes their samples), the partition against each world size, the
+micro-batch against the smallest worker's training shard at each world size (``check_batches``), importing
+``topology.module``, building every topology the run gossips over, ``resume``'s checkpoints (every rank's file
+against its manifest's checksum), and the engine's environment variables (``DECENT_TRAIN_HOST_MALLOC``,
 ``DECENT_TRAIN_COMPILED_INT8``).
 """
 
@@ -19,6 +20,7 @@ import torch
 from decent_train.components.checkpoint import (
     FRESH_FLAG, complete_checkpoints, describe_unreadable, verify_checkpoint,
 )
+from decent_train.components.data import ShardTooSmall
 from decent_train.components.models import ModelConfig, build_model
 from decent_train.config import TrainConfig
 from decent_train.engine import reconfigure
@@ -36,6 +38,8 @@ def preflight(cfg: TrainConfig) -> None:
     host_malloc_choice(), compiled_int8_choice()  # the engine's environment variables
     if cfg.launch.nproc_per_node is not None:
         cfg.dataset.check_partition(cfg.launch.world_sizes)
+        if not cfg.fault_tolerance.live:  # live: check_live, over every number of members
+            check_batches(cfg, cfg.launch.world_sizes)
         check_topologies(cfg)
     if cfg.resume is not None:
         check_resume(cfg)
@@ -87,6 +91,7 @@ def check_live(cfg: TrainConfig) -> None:
     if cfg.launch.nproc_per_node is not None:
         most = cfg.launch.max_nodes * cfg.launch.nproc_per_node  # every node's workers
         cfg.dataset.check_partition(list(range(cfg.fault_tolerance.min_workers, most + 1)))
+        check_batches(cfg, list(range(cfg.fault_tolerance.min_workers, most + 1)), live=True)
         untested = (f"algorithm={cfg.algorithm.name}" if cfg.algorithm.name != "decentralized"
                     else f"compression={cfg.compression.name}" if cfg.compression.name != "none" else None)
         if untested and cfg.build_topology(world_size=most).is_staged:
@@ -97,6 +102,27 @@ def check_live(cfg: TrainConfig) -> None:
     if not reconfigure.supported():
         raise ValueError(f"fault_tolerance=live needs torch >= 2.14 (reconfigurable process groups); this is torch "
                          f"{torch.__version__}")
+
+
+def check_batches(cfg: TrainConfig, world_sizes: list[int], live: bool = False) -> None:
+    """One micro-batch fits the smallest worker's training shard at each of ``world_sizes``, by the worker's own
+    computation on the data's count and labels, not its samples (``DatasetConfig.check_batches``, which says what it
+    leaves to the worker). The micro-batch is ``batch_size_per_worker`` of that world size, or with ``live`` of the
+    launch's, which the members keep through every change. ``parallel.shard`` changes nothing: every rank of a
+    replica takes micro-batches of its own shard, dealt over all the ranks. Where ``global_batch_size`` set the
+    micro-batch, the refusal names it and its bound."""
+    launched = cfg.launch.world_size if live else None
+    try:
+        cfg.dataset.check_batches([(world, cfg.batch_size_per_worker(launched or world)) for world in world_sizes])
+    except ShardTooSmall as error:
+        if cfg.global_batch_size is None:
+            raise
+        per_step = (launched or error.world) * cfg.accum_steps
+        raise ValueError(
+            f"global_batch_size={cfg.global_batch_size} is batch_size={error.batch_size} per worker "
+            f"({launched or error.world} workers x accum_steps={cfg.accum_steps}{' as launched' if live else ''}), "
+            f"larger than {error.where}; valid: global_batch_size <= {error.shard * per_step}"
+        ) from None
 
 
 def check_topologies(cfg: TrainConfig) -> None:
@@ -113,8 +139,9 @@ def check_topologies(cfg: TrainConfig) -> None:
 
 
 def check_resume(cfg: TrainConfig) -> None:
-    """``resume`` holds a complete checkpoint that every rank's files match (its manifest's checksums: the newest
-    such one is what the workers continue from), trained with this run's world size, schedule, model, algorithm,
+    """``resume`` holds a complete checkpoint that every rank's files match (its manifest's checksums) and whose
+    floating-point tensors are finite (a diverged state is skipped like a corrupt file: the newest such checkpoint is
+    what the workers continue from), trained with this run's world size, schedule, model, algorithm,
     optimizer, LR schedule and compression (``resume_settings``: what the saved state's layout depends on). None
     readable: one line naming each one tried and why, unless ``checkpoint.fresh_if_unreadable`` (then the workers
     start from step 0 and say so)."""

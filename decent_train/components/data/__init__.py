@@ -10,10 +10,13 @@ Adding a dataset: its module, and one ``DatasetKind`` entry in ``DATASETS`` (plu
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+
+from torch import Tensor
 
 from decent_train.components.data import arrays, images, tokens
 from decent_train.components.data.arrays import DIGITS_CLASSES, TensorData
@@ -25,7 +28,13 @@ from decent_train.components.data.base import (
     batch_to_device,
     host_to_device,
 )
-from decent_train.components.data.partition import PARTITIONS, Sharding, check_classes_per_worker
+from decent_train.components.data.partition import (
+    PARTITIONS,
+    Sharding,
+    ShardTooSmall,
+    check_classes_per_worker,
+    fitting_partition,
+)
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,10 @@ class DatasetKind:
     # One sample's shape from the files, without loading them (the preflight builds the model for it); None: the
     # config fixes it or the model checks it when built in the worker.
     sample_shape: Optional[Callable[[DatasetConfig], tuple[int, ...]]] = None
+    # The training set's size, and its labels (for a fixed partition), as the worker will hold them but without loading
+    # the samples: the preflight checks the shards against the micro-batch with them. None: left to the worker.
+    train_size: Optional[Callable[[DatasetConfig], int]] = None
+    train_labels: Optional[Callable[[DatasetConfig], Tensor]] = None
 
     @property
     def in_memory(self) -> bool:
@@ -84,12 +97,18 @@ DATASETS: dict[str, DatasetKind] = {
         build=lambda cfg: arrays.digits(cfg.test_fraction, cfg.split_seed),
         classes=lambda cfg: DIGITS_CLASSES,
         images=True,
+        train_size=lambda cfg: arrays.digits_train_size(cfg.test_fraction),
+        train_labels=lambda cfg: arrays.digits_train_labels(cfg.test_fraction, cfg.split_seed),
     ),
     "synthetic": DatasetKind(
         build=lambda cfg: arrays.synthetic(
             cfg.num_samples, tuple(cfg.input_shape), cfg.num_classes, cfg.noise, cfg.split_seed
         ),
         classes=lambda cfg: cfg.num_classes,
+        train_size=lambda cfg: cfg.num_samples,
+        train_labels=lambda cfg: arrays.synthetic_train_labels(
+            cfg.num_samples, tuple(cfg.input_shape), cfg.num_classes, cfg.split_seed
+        ),
     ),
     "npz": DatasetKind(
         build=lambda cfg: arrays.npz(cfg.root_path()),
@@ -98,6 +117,8 @@ DATASETS: dict[str, DatasetKind] = {
         classes=lambda cfg: arrays.npz_classes(cfg.root_path()),
         images=True,
         sample_shape=lambda cfg: arrays.check_npz(cfg.root_path()),
+        train_size=lambda cfg: arrays.npz_train_size(cfg.root_path()),
+        train_labels=lambda cfg: arrays.npz_train_labels(cfg.root_path()),
     ),
     "cifar10": _cifar("cifar10"),
     "cifar100": _cifar("cifar100"),
@@ -211,6 +232,22 @@ class DatasetConfig:
         for world in world_sizes:
             check_classes_per_worker(self.classes_per_worker, world, classes)
 
+    def check_batches(self, batches: list[tuple[int, int]]) -> None:
+        """Every worker's training shard holds one micro-batch, for each ``(world size, micro-batch)`` of
+        ``batches``: ``fitting_partition``, the worker's own computation (``ShardTooSmall`` or dirichlet's error if
+        not), run on the count and, for a fixed partition, the labels, neither loading the samples (digits: the
+        labels cost scikit-learn's import, about a second; synthetic: drawing the class centres). Call it after
+        ``check_files`` (npz reads train.npz). Left to the worker, which checks the same at its first batch: cifar10
+        and cifar100 (count and labels are in the pickled batches, read whole) and imagefolder (listing every
+        image); tokens have no bound here (a batch is windows drawn with replacement from the shard)."""
+        size, read_labels = self.kind.train_size, self.kind.train_labels
+        if size is None or read_labels is None:
+            return
+        train_size = size(self)
+        labels = functools.cache(functools.partial(read_labels, self))  # read once, only for a fixed partition
+        for world, batch_size in batches:
+            fitting_partition(self.sharding(), labels, train_size, world, batch_size)
+
 
 def layout(name: str) -> str:
     """What the directory of dataset ``name`` must hold (for error messages; empty for data not on disk)."""
@@ -244,6 +281,7 @@ __all__ = [
     "DatasetConfig",
     "DatasetKind",
     "Datasets",
+    "ShardTooSmall",
     "TensorData",
     "batch_generator",
     "batch_to_device",

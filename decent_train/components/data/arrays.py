@@ -15,11 +15,12 @@ from torch import Tensor
 from torch.utils.data import BatchSampler, DistributedSampler, TensorDataset
 
 from decent_train.components.data.base import Batch, BatchTransform, Datasets, batch_generator, batch_to_device
-from decent_train.components.data.partition import Partition, Sharding, label_histograms
+from decent_train.components.data.partition import Partition, Sharding, fitting_partition, label_histograms
 
 NPZ_LAYOUT = "a directory with train.npz and test.npz, each holding arrays x (samples first) and y (integer labels)"
 NPZ_FILES = ("train.npz", "test.npz")
 DIGITS_CLASSES = 10  # scikit-learn's handwritten digits
+DIGITS_SAMPLES = 1797  # all of them, before the split: what the preflight counts without importing scikit-learn
 
 
 class TensorData(Datasets):
@@ -36,17 +37,9 @@ class TensorData(Datasets):
         self.sharding = Sharding()  # dataset.partition: build_datasets sets it
 
     def partition(self, world: int, batch_size: int) -> Partition | None:
-        """The workers' fixed shards (None for iid): the same on every worker; each holds one micro-batch at least."""
-        if self.sharding.partition == "iid":
-            return None
-        partition = self.sharding.split(self.train.tensors[1], world, min_size=batch_size)
-        small = min(range(world), key=lambda r: len(partition.shards[r]))
-        if len(partition.shards[small]) < batch_size:  # dirichlet redraws instead; the others are what they are
-            raise ValueError(
-                f"batch_size={batch_size} is larger than worker {small}'s shard ({len(partition.shards[small])} "
-                f"samples of {self.train_size}, dataset.partition={self.sharding.partition} over {world} workers)"
-            )
-        return partition
+        """The workers' fixed shards (None for iid): the same on every worker; each holds one micro-batch at least
+        (``fitting_partition``, which the launcher's preflight runs too)."""
+        return fitting_partition(self.sharding, lambda: self.train.tensors[1], self.train_size, world, batch_size)
 
     def shard_summary(self, world: int, batch_size: int) -> dict[str, Any]:
         partition = self.partition(world, batch_size)
@@ -67,12 +60,7 @@ class TensorData(Datasets):
             yield from self._shard_batches(partition.shards[rank], batch_size, rank, seed, start)
             return
         sampler = DistributedSampler(self.train, world, rank, shuffle=True, seed=seed, drop_last=True)
-        batches = BatchSampler(sampler, batch_size, drop_last=True)
-        if len(batches) == 0:
-            raise ValueError(
-                f"batch_size={batch_size} is larger than a worker's shard ({len(sampler)} samples of "
-                f"{len(self.train)} over {world} workers)"
-            )
+        batches = BatchSampler(sampler, batch_size, drop_last=True)  # partition() made it hold one at least
         epoch, skip = divmod(start, len(batches))
         while True:
             sampler.set_epoch(epoch)
@@ -130,31 +118,65 @@ class TensorData(Datasets):
 
 def digits(test_fraction: float, split_seed: int) -> TensorData:
     """scikit-learn's digits, split by ``split_seed`` into ``test_fraction`` held out and the rest for training."""
-    from sklearn.datasets import load_digits  # imported here: costs a second, only the digits need it
-
-    bunch = load_digits()
-    x = torch.from_numpy(bunch.images).float().div_(16.0).unsqueeze(1)  # (N, 1, 8, 8), values in [0, 1]
-    y = torch.from_numpy(bunch.target).long()
+    x, y = _load_digits()
     train_idx, test_idx = _split(len(y), test_fraction, split_seed)
     return tensor_data(x[train_idx], y[train_idx], x[test_idx], y[test_idx])
 
 
+def _load_digits() -> tuple[Tensor, Tensor]:
+    from sklearn.datasets import load_digits  # imported here: costs a second, only the digits need it
+
+    bunch = load_digits()
+    x = torch.from_numpy(bunch.images).float().div_(16.0).unsqueeze(1)  # (N, 1, 8, 8), values in [0, 1]
+    return x, torch.from_numpy(bunch.target).long()
+
+
+def digits_train_size(test_fraction: float) -> int:
+    """How many digits ``digits`` trains on, without loading them (the preflight's count)."""
+    return DIGITS_SAMPLES - _test_count(DIGITS_SAMPLES, test_fraction)
+
+
+def digits_train_labels(test_fraction: float, split_seed: int) -> Tensor:
+    """``digits``' training labels (the preflight splits them as the worker does; a fixed partition needs them)."""
+    _, y = _load_digits()
+    return y[_split(len(y), test_fraction, split_seed)[0]]
+
+
+def _test_count(n: int, test_fraction: float) -> int:
+    return max(1, round(n * test_fraction))
+
+
 def _split(n: int, test_fraction: float, seed: int) -> tuple[Tensor, Tensor]:
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    n_test = max(1, round(n * test_fraction))
+    n_test = _test_count(n, test_fraction)
     return perm[n_test:], perm[:n_test]
 
 
 def synthetic(num_samples: int, input_shape: tuple[int, ...], num_classes: int, noise: float, seed: int) -> TensorData:
     """Gaussian clusters around random class centres: ``num_samples`` to train on and a quarter as many to test."""
-    gen = torch.Generator().manual_seed(seed)
-    centres = torch.randn(num_classes, *input_shape, generator=gen) * 2.0
+    gen, centres = _synthetic_centres(input_shape, num_classes, seed)
 
     def sample(n: int) -> tuple[Tensor, Tensor]:
-        y = torch.randint(num_classes, (n,), generator=gen)
+        y = _synthetic_labels(n, num_classes, gen)
         return centres[y] + noise * torch.randn(n, *input_shape, generator=gen), y
 
     return tensor_data(*sample(num_samples), *sample(max(1, num_samples // 4)))
+
+
+def synthetic_train_labels(num_samples: int, input_shape: tuple[int, ...], num_classes: int, seed: int) -> Tensor:
+    """``synthetic``'s training labels without its samples: the first draw after the centres (which are drawn, so
+    the generator reaches the same place; they are ``num_classes`` samples, not ``num_samples``)."""
+    gen, _ = _synthetic_centres(input_shape, num_classes, seed)
+    return _synthetic_labels(num_samples, num_classes, gen)
+
+
+def _synthetic_centres(input_shape: tuple[int, ...], num_classes: int, seed: int) -> tuple[torch.Generator, Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return gen, torch.randn(num_classes, *input_shape, generator=gen) * 2.0
+
+
+def _synthetic_labels(n: int, num_classes: int, gen: torch.Generator) -> Tensor:
+    return torch.randint(num_classes, (n,), generator=gen)
 
 
 def npz(root: Path) -> TensorData:
@@ -237,6 +259,16 @@ def _load_npz(path: Path) -> tuple[Tensor, Tensor]:
     xt = torch.from_numpy(x)
     xt = xt.float().div_(255.0) if xt.dtype == torch.uint8 else xt.float()
     return xt, torch.from_numpy(y).long()
+
+
+def npz_train_size(root: Path) -> int:
+    """How many samples ``root/train.npz`` holds, from y's header (``check_npz`` has checked x has as many)."""
+    return _npz_headers(root / "train.npz")["y"][0][0]
+
+
+def npz_train_labels(root: Path) -> Tensor:
+    """``root/train.npz``'s labels as the worker holds them, without loading ``x``."""
+    return torch.from_numpy(_load_labels(root / "train.npz")).long()
 
 
 def npz_classes(root: Path) -> int:

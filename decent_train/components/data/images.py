@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, S
 
 from decent_train.components.data.arrays import TensorData
 from decent_train.components.data.base import Batch, BatchTransform, Datasets, batch_generator, host_to_device
+from decent_train.components.data.partition import check_iid_shard
 
 CIFAR_DIR = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
 CIFAR_SPLITS = {  # (training files, test files)
@@ -276,13 +277,9 @@ class ImageFolderData(Datasets):
         ``seed`` (``SeededSamples``), not from the decode processes' random streams, which would run on from epoch to
         epoch: so a resumed stream, even inside an epoch, gets the same crops as an uninterrupted one, and so does
         any number of decode processes (none included)."""
+        check_iid_shard(self.train_size, world, batch_size)
         sampler = DistributedSampler(self.train, world, rank, shuffle=True, seed=seed, drop_last=True)
         per_epoch = len(sampler) // batch_size
-        if per_epoch == 0:
-            raise ValueError(
-                f"batch_size={batch_size} is larger than a worker's shard ({len(sampler)} images of {len(self.train)} "
-                f"over {world} workers)"
-            )
         epoch, skip = divmod(start, per_epoch)
         order = EpochOrder()
         loader = image_loader(SeededSamples(self.train), batch_size, self.loader_workers, True, sampler=order,

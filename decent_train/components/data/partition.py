@@ -18,6 +18,7 @@ every run. Every training sample goes to exactly one worker.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
@@ -92,6 +93,51 @@ def split(
         f"always had fewer samples than one micro-batch of {min_size} (last: worker {smallest} with "
         f"{len(shards[smallest])}); use a larger alpha, fewer workers or smaller batches"
     )
+
+
+class ShardTooSmall(ValueError):
+    """A worker's training shard holds fewer samples than one micro-batch. One message for the worker (at its first
+    batch) and the launcher's preflight (before any worker starts); the fields let the preflight name
+    ``global_batch_size`` where that set the micro-batch."""
+
+    def __init__(self, batch_size: int, shard: int, train_size: int, world: int, partition: str,
+                 rank: Optional[int] = None) -> None:
+        self.batch_size, self.shard, self.train_size, self.world = batch_size, shard, train_size, world
+        self.partition, self.rank = partition, rank
+        whose = "a worker's shard" if rank is None else f"worker {rank}'s shard"
+        how = "" if partition == "iid" else f", dataset.partition={partition}"
+        self.where = f"{whose} ({shard} samples of {train_size}{how} over {world} workers)"
+        super().__init__(f"batch_size={batch_size} is larger than {self.where}; valid: batch_size <= {shard} (or "
+                         "fewer workers)")
+
+    def __reduce__(self) -> tuple[type, tuple[int, int, int, int, str, Optional[int]]]:
+        """Picklable (a worker's error may be sent to its parent process)."""
+        return ShardTooSmall, (self.batch_size, self.shard, self.train_size, self.world, self.partition, self.rank)
+
+
+def check_iid_shard(train_size: int, world: int, batch_size: int) -> None:
+    """Each worker's part of an iid epoch holds one micro-batch: DistributedSampler(drop_last=True) deals
+    ``train_size // world`` samples to every worker and leaves the rest out."""
+    shard = train_size // world
+    if shard < batch_size:
+        raise ShardTooSmall(batch_size, shard, train_size, world, "iid")
+
+
+def fitting_partition(
+    sharding: Sharding, labels: Callable[[], Tensor], train_size: int, world: int, batch_size: int
+) -> Optional[Partition]:
+    """The workers' fixed shards (None for iid), each holding one micro-batch of ``batch_size`` at least, else
+    ``ShardTooSmall`` naming the smallest (dirichlet redraws first, and fails with its own error). The one computation
+    the worker trains on and the launcher's preflight checks. ``labels()``: the training set's, read only for fixed
+    shards (iid needs ``train_size`` alone)."""
+    if sharding.partition == "iid":
+        check_iid_shard(train_size, world, batch_size)
+        return None
+    partition = sharding.split(labels(), world, min_size=batch_size)
+    small = min(range(world), key=lambda r: len(partition.shards[r]))
+    if len(partition.shards[small]) < batch_size:
+        raise ShardTooSmall(batch_size, len(partition.shards[small]), train_size, world, sharding.partition, small)
+    return partition
 
 
 def check_classes_per_worker(classes_per_worker: int, world: int, classes: int) -> None:
