@@ -108,7 +108,8 @@ def test_crashing_worker_fails_the_command_with_its_error(tmp_path: Path) -> Non
         raw[at] ^= 0xFF
         path.write_bytes(bytes(raw))
     run_dir = tmp_path / "run"
-    proc = decent_train("dataset=npz", f"dataset.root={data_dir}", *SMALL, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    proc = decent_train("dataset=npz", f"dataset.root={data_dir}", *SMALL, "batch_size=2", f"hydra.run.dir={run_dir}",
+                        cwd=tmp_path)  # 2 samples a worker: the preflight lets it through to the worker
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("decent-train: error: worker rank") and "CRC" in last

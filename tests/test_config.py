@@ -49,7 +49,7 @@ def data_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A directory in the real format for each dataset that reads files."""
     root = tmp_path_factory.mktemp("data")
     (root / "npz").mkdir()
-    for split, n in (("train", 12), ("test", 4)):
+    for split, n in (("train", 128), ("test", 4)):
         np.savez(root / "npz" / f"{split}.npz", x=np.arange(n * 6, dtype=np.uint8).reshape(n, 6), y=np.arange(n) % 3)
     write_cifar(root / "cifar10", "cifar10")
     write_cifar(root / "cifar100", "cifar100")
