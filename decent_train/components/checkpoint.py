@@ -5,8 +5,10 @@ temporary name and renames it (atomic), hashing it on the way; after every rank 
 manifest (each file's sha256 and size, the step, the world size, the topology, the model's architecture and the
 settings the saved state's layout depends on: the algorithm, the optimizer, the compression) the same way. A
 checkpoint without a manifest is incomplete and never used. Loading checks every rank's file against the manifest:
-if any is truncated or corrupt, all ranks fall back to the previous complete checkpoint, with a warning naming the
-file.
+if any is truncated or corrupt, or holds NaN or inf in a floating-point tensor (a diverged state, which no checksum
+sees), all ranks fall back to the previous complete checkpoint, with a warning naming the file (and the tensor). A
+state that holds NaN or inf is never saved: training stops there instead (``NonFiniteState``), keeping the checkpoints
+before it.
 
 At another world size (M workers continuing N workers' checkpoint) every worker reads all N files, one at a time, and
 starts from their average: the floating-point tensors are summed in float64 as the files stream by (one file and the
@@ -217,14 +219,60 @@ def _manifest_problem(manifest: Any) -> str:
 
 
 def verify_checkpoint(checkpoint: Checkpoint) -> str:
-    """Why one of ``checkpoint``'s files (any rank's, DCP shards included) does not match its manifest, the first
-    found; empty if all do. The launcher's check before any worker starts (it reads every file once): a resume that
-    would find nothing readable stops there, in one line, instead of in every worker."""
+    """Why one of ``checkpoint``'s files (any rank's, DCP shards included) does not match its manifest, or a rank's
+    file holds NaN or inf, the first found; empty if neither. The launcher's check before any worker starts (it hashes
+    every file, then maps each rank's file to scan its tensors: never a whole state in memory): a resume that would
+    find nothing it can train from stops there, in one line, instead of in every worker."""
     for entry in checkpoint.manifest["ranks"]:
         why = _check_files(checkpoint, [entry, *entry.get("sharded", [])])
+        if not why:
+            path = checkpoint.path / entry["file"]
+            why = _nonfinite_file(path, torch.load(path, map_location="cpu", weights_only=True, mmap=True))
         if why:
             return why
     return ""
+
+
+class NonFiniteState(RuntimeError):
+    """The state a checkpoint would save holds NaN or inf: it is not saved, and training stops (every rank)."""
+
+
+def nonfinite_tensor(state: Any) -> Optional[tuple[str, str]]:
+    """The first floating-point tensor of ``state`` (nested dicts, lists, tuples) that holds NaN or inf: its name (the
+    keys to it, joined by dots) and ``NaN`` or ``inf``; None if every one is finite. A diverged state resumed trains
+    on NaN (or, an Adam moment at inf, silently freezes its weights), so it is treated like a corrupt file. One min/max
+    reduction per tensor and one host sync per device; a sharded tensor: this rank's shard."""
+    named = [(name, t) for name, t in _named_floats(state, "") if t.numel()]
+    by_device: dict[torch.device, list[int]] = {}
+    for index, (_, tensor) in enumerate(named):
+        by_device.setdefault(tensor.device, []).append(index)
+    bad = []
+    for indices in by_device.values():
+        bounds = torch.stack([torch.stack(torch.aminmax(named[i][1])).double() for i in indices])  # NaN propagates
+        bad += [i for i, finite in zip(indices, torch.isfinite(bounds).all(dim=1).tolist()) if not finite]
+    if not bad:
+        return None
+    name, tensor = named[min(bad)]
+    return name, "NaN" if bool(torch.isnan(tensor).any()) else "inf"
+
+
+def _named_floats(obj: Any, name: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for each floating-point tensor of a nested state, in :func:`floating_tensors`' order."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point():
+            yield name, obj.to_local() if hasattr(obj, "to_local") else obj  # a DTensor: this rank's shard
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _named_floats(value, f"{name}.{key}" if name else str(key))
+    elif isinstance(obj, (list, tuple)):
+        for index, item in enumerate(obj):
+            yield from _named_floats(item, f"{name}.{index}" if name else str(index))
+
+
+def _nonfinite_file(path: Path, state: Any) -> str:
+    """Why ``path``'s ``state`` cannot be trained from (``path holds NaN in model.1.weight``); empty if it can."""
+    found = nonfinite_tensor(state)
+    return f"{path} holds {found[1]} in {found[0]}" if found else ""
 
 
 FRESH_FLAG = "checkpoint.fresh_if_unreadable=true"
@@ -250,21 +298,30 @@ def save_checkpoint(
     size the run started with: by default this one) and deletes all but the newest ``keep``.
 
     Collective: every rank calls it at the same step. ``before_gather`` runs after this rank's file is written,
-    before the collectives (live membership's fence: a member that died while writing stops nobody).
+    before the collectives (live membership's fence: a member that died while writing stops nobody). A state that
+    holds NaN or inf on any rank (the loss checked before it is finite, but the step's own update can overflow) is
+    not kept: no manifest, nothing deleted, its files removed, and every rank raises ``NonFiniteState`` naming the
+    tensor and the last checkpoint kept, so that a diverged state never takes the place of the finite ones.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
+    nonfinite = nonfinite_tensor(state) or (nonfinite_tensor(sharded.state) if sharded is not None else None)
     directory = run_dir / CHECKPOINTS / f"step_{step:08d}"
     directory.mkdir(parents=True, exist_ok=True)
     file = directory / f"rank{rank}.pt"
     sha256, size = _write_atomically(file, lambda f: torch.save(state, f))
     entry: dict[str, Any] = {"file": file.name, "sha256": sha256, "bytes": size}
     if sharded is not None:
-        entry["sharded"] = _save_sharded(directory, sharded)
+        entry["sharded"] = _save_sharded(directory, sharded)  # collective over the replica: written even if discarded
+    if nonfinite is not None:
+        entry["nonfinite"] = f"{nonfinite[0]} holds {nonfinite[1]}"
     if before_gather is not None:
         before_gather()
     entries: list[Any] = [None] * world
     with peers_must_answer(f"saving checkpoint {directory.name} (gathering the ranks' files)"):
         dist.all_gather_object(entries, entry)
+    diverged = [(r, e["nonfinite"]) for r, e in enumerate(entries) if "nonfinite" in e]
+    if diverged:
+        _discard(run_dir, step, directory, diverged[0])
     if rank == 0:
         manifest = {"step": step, "world_size": world, "run_world_size": run_world_size or world,
                     "topology": topology, "model": model, "ranks": entries}
@@ -281,6 +338,19 @@ def save_checkpoint(
     with peers_must_answer(f"saving checkpoint {directory.name} (the barrier after it)"):
         dist.barrier()  # nobody goes on (or dies) before the checkpoint is complete
     return directory
+
+
+def _discard(run_dir: Path, step: int, directory: Path, first: tuple[int, str]) -> None:
+    """Remove ``directory``, the files of a state that holds NaN or inf (rank, what: ``first``), and raise
+    ``NonFiniteState`` on every rank, naming the newest checkpoint kept. Collective, in ``save_checkpoint``."""
+    if dist.get_rank() == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+    with peers_must_answer(f"discarding checkpoint {directory.name} (the barrier after it)"):
+        dist.barrier()
+    kept = complete_checkpoints(run_dir)
+    last = f"the last good checkpoint is {kept[0].path}" if kept else "no checkpoint was written before it"
+    raise NonFiniteState(f"the model or optimizer state is NaN or infinite at step {step} (rank {first[0]}: "
+                         f"{first[1]}); not saved, training stopped: {last}")
 
 
 def _save_sharded(directory: Path, sharded: ShardedState) -> list[dict[str, Any]]:
@@ -324,13 +394,16 @@ def _check_files(checkpoint: Checkpoint, entries: list[dict[str, Any]]) -> str:
 
 
 def _read_file(checkpoint: Checkpoint, rank: int) -> tuple[Optional[dict[str, Any]], str]:
-    """Rank ``rank``'s state from ``checkpoint`` if its checksums (its file's, its DCP files') match the manifest;
-    else None and why. The hash streams over the file before it is loaded: never two copies of it in memory."""
+    """Rank ``rank``'s state from ``checkpoint`` if its checksums (its file's, its DCP files') match the manifest and
+    its floating-point tensors are finite; else None and why. The hash streams over the file before it is loaded:
+    never two copies of it in memory."""
     entry = checkpoint.manifest["ranks"][rank]
     why = _check_files(checkpoint, [entry, *entry.get("sharded", [])])
     if why:
         return None, why
-    return torch.load(checkpoint.path / entry["file"], map_location="cpu", weights_only=True), ""
+    state = torch.load(checkpoint.path / entry["file"], map_location="cpu", weights_only=True)
+    why = _nonfinite_file(checkpoint.path / entry["file"], state)  # in memory already: one pass, no second read
+    return (None, why) if why else (state, "")
 
 
 Prepare = Callable[[dict[str, Any]], dict[str, Any]]
@@ -348,7 +421,12 @@ def _read_averaged(checkpoint: Checkpoint, prepare: Prepare) -> tuple[Optional[d
                 return
             yield prepare(state)
 
-    average = average_states(states())
+    try:
+        average: Optional[dict[str, Any]] = average_states(states())
+    except ValueError:  # "no state to average" when rank 0's file is the bad one; else another layout
+        if not problems:
+            raise
+        average = None
     return (None, problems[0]) if problems else (average, "")
 
 

@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
-from decent_train.components.checkpoint import save_checkpoint
+from decent_train.components.checkpoint import NonFiniteState, save_checkpoint
+from decent_train.config import DIVERGED_FILE
 from decent_train.training.job import Job
 from decent_train.training.resume import resume_settings
 
@@ -24,7 +25,8 @@ class Checkpointer:
         return step == self.job.total_steps or (every > 0 and step % every == 0)
 
     def save(self, step: int) -> Path:
-        """This worker's state at ``step`` (the caller has checked the loss is finite)."""
+        """This worker's state at ``step`` (the caller has checked the loss is finite; ``save_checkpoint`` checks the
+        state: if it holds NaN or inf it is not saved, and the run stops as after a NaN loss, restarts included)."""
         job, cfg = self.job, self.job.cfg
         sharded = job.algo.sharded_state()  # a sharded model and its optimizer: DCP's, per replica
         state = {
@@ -36,8 +38,13 @@ class Checkpointer:
             "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state(job.device) if job.device.type == "cuda" else None,
         }
-        path = save_checkpoint(job.run_dir, step, state, cfg.schedule(dist.get_world_size()), cfg.model.architecture(),
-                               cfg.checkpoint.keep, job.run_world, before_gather=job.fence, sharded=sharded,
-                               settings=resume_settings(cfg))
+        try:
+            path = save_checkpoint(job.run_dir, step, state, cfg.schedule(dist.get_world_size()),
+                                   cfg.model.architecture(), cfg.checkpoint.keep, job.run_world,
+                                   before_gather=job.fence, sharded=sharded, settings=resume_settings(cfg))
+        except NonFiniteState as error:  # workers torchrun restarts must not train into it again
+            if dist.get_rank() == 0:
+                (job.run_dir / DIVERGED_FILE).write_text(f"{error}\n")
+            raise
         logger.debug(f"checkpoint {path}")
         return path
