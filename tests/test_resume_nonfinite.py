@@ -220,3 +220,19 @@ def test_the_command_refuses_in_one_line_when_no_checkpoint_is_finite(launched: 
                     f"NaN in {_name(WEIGHT)}], step_00000003 [rank0.pt holds inf in {_name(MOMENT)}]; to train from "
                     f"step 0 instead, add {FRESH_FLAG}")
     assert proc.stdout == "" and not (run_dir / "logs").exists() and not (run_dir / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16,
+                                   torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_the_scan_names_the_first_non_finite_tensor_of_every_floating_dtype(dtype: torch.dtype) -> None:
+    """By hand: in a state of finite tensors, integer ones and one NaN (float8_e4m3fn has no inf) or inf, the scan
+    names that tensor's keys; a finite state gives None. torch has no float8 ``aminmax`` on the CPU."""
+    from decent_train.components.checkpoint import nonfinite_tensor
+
+    bad = torch.tensor([1.0, float("nan"), 2.0]).to(dtype)
+    finite = {"model": {"w": torch.ones(4, dtype=dtype), "steps": torch.arange(3)},
+              "rng": torch.zeros(8, dtype=torch.uint8)}
+    assert nonfinite_tensor(finite) is None
+    assert nonfinite_tensor({**finite, "opt": [torch.zeros(2, dtype=dtype), {"m": bad}]}) == ("opt.1.m", "NaN")
+    if dtype != torch.float8_e4m3fn:
+        assert nonfinite_tensor({"x": torch.tensor([float("-inf")]).to(dtype)}) == ("x", "inf")

@@ -248,12 +248,17 @@ def nonfinite_tensor(state: Any) -> Optional[tuple[str, str]]:
         by_device.setdefault(tensor.device, []).append(index)
     bad = []
     for indices in by_device.values():
-        bounds = torch.stack([torch.stack(torch.aminmax(named[i][1])).double() for i in indices])  # NaN propagates
+        bounds = torch.stack([torch.stack(torch.aminmax(_reducible(named[i][1]))).double() for i in indices])
         bad += [i for i, finite in zip(indices, torch.isfinite(bounds).all(dim=1).tolist()) if not finite]
     if not bad:
         return None
     name, tensor = named[min(bad)]
     return name, "NaN" if bool(torch.isnan(tensor).any()) else "inf"
+
+
+def _reducible(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a float32 copy of a float8 one (torch has no ``aminmax`` for float8); NaN and inf propagate."""
+    return tensor.float() if tensor.element_size() == 1 else tensor
 
 
 def _named_floats(obj: Any, name: str) -> Iterator[tuple[str, torch.Tensor]]:
