@@ -242,7 +242,8 @@ def nonfinite_tensor(state: Any) -> Optional[tuple[str, str]]:
     keys to it, joined by dots) and ``NaN`` or ``inf``; None if every one is finite. A diverged state resumed trains
     on NaN (or, an Adam moment at inf, silently freezes its weights), so it is treated like a corrupt file. One min/max
     reduction per tensor and one host sync per device; a sharded tensor: this rank's shard."""
-    named = [(name, t) for name, t in _named_floats(state, "") if t.numel()]
+    named = [(name, t.to_local() if hasattr(t, "to_local") else t)  # a DTensor: this rank's shard
+             for name, t in _named_floats(state, "") if t.numel()]
     by_device: dict[torch.device, list[int]] = {}
     for index, (_, tensor) in enumerate(named):
         by_device.setdefault(tensor.device, []).append(index)
@@ -262,10 +263,11 @@ def _reducible(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _named_floats(obj: Any, name: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for each floating-point tensor of a nested state, in :func:`floating_tensors`' order."""
+    """(name, tensor) for each floating-point tensor of a nested state, in a fixed order (:func:`floating_tensors`':
+    dict keys as they are, list items in order; the name is the keys to it, joined by dots)."""
     if isinstance(obj, torch.Tensor):
         if obj.is_floating_point():
-            yield name, obj.to_local() if hasattr(obj, "to_local") else obj  # a DTensor: this rank's shard
+            yield name, obj
     elif isinstance(obj, dict):
         for key, value in obj.items():
             yield from _named_floats(value, f"{name}.{key}" if name else str(key))
@@ -460,13 +462,7 @@ def average_states(states: Iterator[dict[str, Any]]) -> dict[str, Any]:
 
 def floating_tensors(obj: Any) -> list[torch.Tensor]:
     """The floating-point tensors of a nested state, in a fixed order."""
-    if isinstance(obj, torch.Tensor):
-        return [obj] if obj.is_floating_point() else []
-    if isinstance(obj, dict):
-        return [t for key in obj for t in floating_tensors(obj[key])]
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in floating_tensors(item)]
-    return []
+    return [t for _, t in _named_floats(obj, "")]
 
 
 def _with_floats(obj: Any, values: Iterator[torch.Tensor]) -> Any:
