@@ -263,7 +263,9 @@ def test_checkpoint_of_another_topology_is_refused(uninterrupted: Path, tmp_path
         preflight(make_cfg(Path("/unused"), resume=str(uninterrupted), launch={"nproc_per_node": 4},
                            topology={"name": "complete"}))
     with pytest.raises(ValueError, match=r"this run has 2 workers with 'ring: 2 workers \(2 nodes x 1\)': resume with "
-                                         r"the same topology, launch.nnodes and launch.nproc_per_node"):
+                                         r"the same topology, launch.nnodes and launch.nproc_per_node \(or "
+                                         r"another number of workers, which starts from the saved workers' "
+                                         r"average\)$"):
         preflight(make_cfg(Path("/unused"), resume=str(uninterrupted), topology={"local_world_size": 1}))
     with pytest.raises(ValueError, match=r"this run has 2 workers with 'allreduce'"):
         preflight(make_cfg(Path("/unused"), resume=str(uninterrupted), algorithm="allreduce"))

@@ -125,7 +125,8 @@ class Checkpoint:
             return (
                 f"{self.path} was written by {self.world_size} workers with topology {theirs!r}; this run has "
                 f"{world_size} workers with {topology!r}: resume with the same topology"
-                + (", launch.nnodes and launch.nproc_per_node" if self.same_layout(world_size, shard) else "")
+                + (", launch.nnodes and launch.nproc_per_node (or another number of workers, which starts from "
+                   "the saved workers' average)" if self.same_layout(world_size, shard) else "")
             )
         theirs = self.manifest.get("model", model)  # older manifests do not say
         if theirs != model:

@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 from decent_train.components.checkpoint import (
-    FRESH_FLAG, complete_checkpoints, describe_unreadable, verify_checkpoint,
+    CHECKPOINTS, FRESH_FLAG, complete_checkpoints, describe_unreadable, verify_checkpoint,
 )
 from decent_train.components.data import ShardTooSmall
 from decent_train.components.models import ModelConfig, build_model
-from decent_train.config import TrainConfig
+from decent_train.config import RESOLVED_CONFIG, TrainConfig
 from decent_train.engine import reconfigure
 from decent_train.engine.host_memory import host_malloc_choice
 from decent_train.engine.int8_kernels import compiled_int8_choice
@@ -33,6 +35,7 @@ def preflight(cfg: TrainConfig) -> None:
     """Raise ``ValueError`` (one line, naming the bad value) if ``cfg`` cannot run; ``launch.nproc_per_node`` must be
     resolved (the launcher does that first) for the checks over world sizes."""
     check_run_dir(cfg)
+    check_continuation(cfg)
     cfg.dataset.check_files()
     check_model_input(cfg)
     host_malloc_choice(), compiled_int8_choice()  # the engine's environment variables
@@ -42,7 +45,7 @@ def preflight(cfg: TrainConfig) -> None:
             check_batches(cfg, cfg.launch.world_sizes)
         check_topologies(cfg)
     if cfg.resume is not None:
-        check_resume(cfg)
+        check_resume(cfg, Path(cfg.resume), f"resume={cfg.resume}")
     check_fragments(cfg)
     if cfg.fault_tolerance.live:
         check_live(cfg)
@@ -63,6 +66,62 @@ def check_run_dir(cfg: TrainConfig) -> None:
                          "hydra.run.dir=<a directory you can write to>") from None
     finally:
         probe.unlink(missing_ok=True)  # a full disk may have let it be made, empty
+
+
+# What a relaunch may change and still be the same run: how and where it runs, logs, checkpoints and evaluates, and
+# the engine's bucket layout; every other key changes what is trained.
+RUN_INDEPENDENT = ("launch", "logger", "checkpoint", "fault_tolerance", "run", "resume", "dry_run", "eval_every",
+                   "eval_batch_size", "comm_timeout_s", "pg_timeout_s", "bucket_size_mb", "message_size_mb",
+                   "dataset.loader_workers", "dataset.download")
+
+
+def check_continuation(cfg: TrainConfig) -> None:
+    """A launch into a run directory that holds checkpoints continues from them (a crash, a requeued SLURM job, the
+    same command again): only with the settings they were trained with (its ``resolved_config.yaml``), unless
+    ``resume=`` names that directory. A new experiment sent to an old directory would otherwise train on from the
+    old model, or find it finished and report the old run's result as its own, with exit 0. ``resume=`` naming
+    another directory is refused there too: the workers would continue this one's checkpoints instead."""
+    run_dir = Path(cfg.run.output_dir) if cfg.run.output_dir else None
+    if run_dir is None or not (run_dir / CHECKPOINTS).is_dir() or cfg.resume == str(run_dir):
+        return  # resume= naming it: check_resume checks it
+    unreadable: list[tuple[Path, str]] = []
+    checkpoints = complete_checkpoints(run_dir, unreadable)
+    if not checkpoints and not unreadable:
+        return
+    newest = f"newest: step {checkpoints[0].step}" if checkpoints else "none readable"
+    here = f"hydra.run.dir={run_dir} holds checkpoints ({newest})"
+    if cfg.resume is not None:
+        raise ValueError(f"{here}, which the workers would continue instead of resume={cfg.resume}; give another "
+                         f"hydra.run.dir to start from resume={cfg.resume}, or resume={run_dir} to continue this run")
+    changed = changed_settings(run_dir / RESOLVED_CONFIG, OmegaConf.to_container(OmegaConf.structured(cfg)))
+    if changed:
+        raise ValueError(f"{here} of a run with other settings ({changed}); to continue it with these, add "
+                         f"resume={run_dir}; to start a new run, give another hydra.run.dir")
+    check_resume(cfg, run_dir, f"hydra.run.dir={run_dir}")
+
+
+def changed_settings(saved_config: Path, config: Any) -> str:
+    """The keys outside :data:`RUN_INDEPENDENT` whose values in ``config`` differ from ``saved_config``'s, as
+    ``key=new (was old)``, at most three named; keys only one side has are a newer or older decent-train's, not the
+    user's change. A missing or unreadable file says so: nothing tells what its checkpoints were trained with."""
+    try:
+        saved = OmegaConf.to_container(OmegaConf.load(saved_config))
+    except (OSError, ValueError) as error:
+        return f"{saved_config.name} cannot be read: {getattr(error, 'strerror', None) or error}"
+    old, new = _flatten(saved), _flatten(config)
+    changed = [f"{key}={new[key]} (was {old[key]})" for key in new
+               if key in old and old[key] != new[key] and not _run_independent(key)]
+    return ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+
+
+def _run_independent(key: str) -> bool:
+    return key in RUN_INDEPENDENT or key.startswith(tuple(f"{independent}." for independent in RUN_INDEPENDENT))
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _flatten(sub, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: tree}
 
 
 def check_model_input(cfg: TrainConfig) -> None:
@@ -138,18 +197,19 @@ def check_topologies(cfg: TrainConfig) -> None:
                 raise ValueError(f"topology={name} with {world_size} workers: {error}") from None
 
 
-def check_resume(cfg: TrainConfig) -> None:
-    """``resume`` holds a complete checkpoint that every rank's files match (its manifest's checksums) and whose
+def check_resume(cfg: TrainConfig, directory: Path, named: str) -> None:
+    """``directory`` (``resume``'s, or the run directory a launch continues; ``named`` says which in the line) holds
+    a complete checkpoint that every rank's files match (its manifest's checksums) and whose
     floating-point tensors are finite (a diverged state is skipped like a corrupt file: the newest such checkpoint is
     what the workers continue from), trained with this run's world size, schedule, model, algorithm,
     optimizer, LR schedule and compression (``resume_settings``: what the saved state's layout depends on). None
     readable: one line naming each one tried and why, unless ``checkpoint.fresh_if_unreadable`` (then the workers
     start from step 0 and say so)."""
-    if not Path(cfg.resume).is_dir() and not cfg.checkpoint.fresh_if_unreadable:  # a typo, most likely
-        raise ValueError(f"resume={cfg.resume}: no such directory; give the run directory to continue (the one that "
+    if not directory.is_dir() and not cfg.checkpoint.fresh_if_unreadable:  # a typo, most likely
+        raise ValueError(f"{named}: no such directory; give the run directory to continue (the one that "
                          f"holds checkpoints/), or add {FRESH_FLAG} to train from step 0 if it is missing")
     unreadable: list[tuple[Path, str]] = []
-    checkpoints = complete_checkpoints(Path(cfg.resume), unreadable)
+    checkpoints = complete_checkpoints(directory, unreadable)
     settings = resume_settings(cfg)
     for checkpoint in checkpoints:
         if cfg.launch.nproc_per_node is not None:
@@ -158,13 +218,13 @@ def check_resume(cfg: TrainConfig) -> None:
         else:  # the world size is not known yet: what no world size changes (the workers check the rest)
             mismatch = checkpoint.describe_settings_mismatch(settings, same_layout=False)
         if mismatch:
-            raise ValueError(f"resume={cfg.resume}: {mismatch}")
+            raise ValueError(f"{named}: {mismatch}")
         why = verify_checkpoint(checkpoint)
         if not why:
             return  # the workers warn, one line each, about the newer ones they skip
         unreadable.append((checkpoint.path, why))
     if not cfg.checkpoint.fresh_if_unreadable:
-        raise ValueError(describe_unreadable(f"resume={cfg.resume}", unreadable))
+        raise ValueError(describe_unreadable(named, unreadable))
 
 
 def check_fragments(cfg: TrainConfig) -> None:
