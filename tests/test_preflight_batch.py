@@ -22,6 +22,8 @@ from decent_train.config import TrainConfig, check_config
 from decent_train.engine import reconfigure
 from decent_train.launcher.preflight import preflight
 
+from .datafiles import write_token_files
+
 DIGITS_TRAIN = 1797 - round(1797 * 0.2)  # 1438: the default dataset.test_fraction holds out 359
 SYNTHETIC = {"name": "synthetic", "num_samples": 100, "input_shape": [4], "num_classes": 4}
 MLP = {"name": "mlp", "hidden_sizes": [8]}
@@ -94,6 +96,44 @@ def test_npz_from_its_header_and_labels(tmp_path: Path) -> None:
         assert preflight_error(cfg_with(dataset, launch, batch_size=smallest)) is None
         message = preflight_error(cfg_with(dataset, launch, batch_size=smallest + 1))
         assert message is not None and message == worker_error(dataset, smallest + 1, world), message
+
+
+def every_worker_error(dataset: dict[str, Any], world: int) -> str | None:
+    """Oracle for token data: each worker's contiguous shard of the stream is its own, so every rank's first batch
+    is drawn; the first refusal, or None."""
+    for rank in range(world):
+        try:
+            next(data_for(dataset).train_batches(1, rank, world, seed=0))
+        except ValueError as error:
+            return str(error)
+    return None
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
+@pytest.mark.parametrize("tokens", [35, 36, 40, 59])
+def test_tokens_hold_one_window_per_worker_at_every_world_size(tmp_path: Path, launch: str, tokens: int) -> None:
+    """A token shard must hold one window and its shifted targets (context_length + 1 tokens), at every world size
+    the launch may train at: the preflight refuses exactly when some worker would, in that worker's words. 35 to 59
+    tokens with windows of 9 straddle the bound at 4 and 6 workers (shards of 8 or 9 tokens, uneven ones included)."""
+    write_token_files(tmp_path, n_train=tokens)
+    dataset = {"name": "tokens", "root": str(tmp_path), "context_length": 8}
+    launch_cfg, worlds = LAUNCHES[launch]
+    expected = next((e for e in (every_worker_error(dataset, world) for world in worlds) if e), None)
+    cfg = check_config({"dataset": dataset, "launch": launch_cfg, "model": {"name": "gpt2", "layers": 1, "heads": 1,
+                                                                           "width": 8}})
+    assert preflight_error(cfg) == expected
+    if expected is not None:
+        assert "valid: dataset.context_length <= " in expected and "\n" not in expected
+
+
+def test_the_token_oracle_by_hand(tmp_path: Path) -> None:
+    """The oracle's premise: 36 tokens over 4 workers are shards of 9, one window of 8 and its target each; 35 leave
+    rank 0 with 8 (ranks 1-3 still have 9)."""
+    for tokens, fits in ((36, True), (35, False)):
+        write_token_files(tmp_path / str(tokens), n_train=tokens)
+        dataset = {"name": "tokens", "root": str(tmp_path / str(tokens)), "context_length": 8}
+        error = every_worker_error(dataset, 4)
+        assert (error is None) == fits and (fits or "leave 8 per worker" in error), error
 
 
 @pytest.mark.parametrize("launch", LAUNCHES)

@@ -4,9 +4,10 @@
 user's code or every world size an elastic job may run at is here, so that a mistake still ends in one line with
 exit status 2 instead of a failed worker: the run directory takes files, the dataset's files (npz: their arrays'
 shapes and labels, and that the model takes their samples), the partition against each world size, the
-micro-batch against the smallest worker's training shard at each world size (``check_batches``), importing
-``topology.module``, building every topology the run gossips over, ``resume``'s checkpoints (every rank's file
-against its manifest's checksum), and the engine's environment variables (``DECENT_TRAIN_HOST_MALLOC``,
+micro-batch (tokens: one window) against the smallest worker's training shard at each world size
+(``check_batches``), importing ``topology.module``, building every topology the run gossips over, the checkpoints
+the run continues (``resume``'s, or the run directory's own with unchanged settings: ``check_continuation``; every
+rank's file against its manifest's checksum), and the engine's environment variables (``DECENT_TRAIN_HOST_MALLOC``,
 ``DECENT_TRAIN_COMPILED_INT8``).
 """
 

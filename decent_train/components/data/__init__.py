@@ -54,6 +54,8 @@ class DatasetKind:
     # the samples: the preflight checks the shards against the micro-batch with them. None: left to the worker.
     train_size: Optional[Callable[[DatasetConfig], int]] = None
     train_labels: Optional[Callable[[DatasetConfig], Tensor]] = None
+    # What each worker's shard must hold at a world size, for data not dealt out in samples (tokens: one window).
+    check_shards: Optional[Callable[[DatasetConfig, int], None]] = None
 
     @property
     def in_memory(self) -> bool:
@@ -132,6 +134,9 @@ DATASETS: dict[str, DatasetKind] = {
         build=lambda cfg: tokens.TokenData(cfg.root_path(), cfg.context_length, cfg.vocab_size),
         check_files=lambda cfg: tokens.check_token_files(_check_dir(cfg), cfg.context_length),
         layout=tokens.TOKENS_LAYOUT,
+        check_shards=lambda cfg, world: tokens.check_token_shards(
+            cfg.root_path() / "train.bin", (cfg.root_path() / "train.bin").stat().st_size // 2, world,
+            cfg.context_length),
     ),
 }
 DATASET_NAMES = tuple(DATASETS)
@@ -239,7 +244,11 @@ class DatasetConfig:
         labels cost scikit-learn's import, about a second; synthetic: drawing the class centres). Call it after
         ``check_files`` (npz reads train.npz). Left to the worker, which checks the same at its first batch: cifar10
         and cifar100 (count and labels are in the pickled batches, read whole) and imagefolder (listing every
-        image); tokens have no bound here (a batch is windows drawn with replacement from the shard)."""
+        image). Tokens: a batch is windows drawn with replacement from the shard, so only one window must fit
+        (``check_shards``)."""
+        if self.kind.check_shards is not None:
+            for world, _ in batches:
+                self.kind.check_shards(self, world)
         size, read_labels = self.kind.train_size, self.kind.train_labels
         if size is None or read_labels is None:
             return

@@ -34,6 +34,19 @@ def check_token_files(root: Path, context_length: int) -> None:
             )
 
 
+def check_token_shards(train_path: Path, tokens: int, world: int, context_length: int) -> None:
+    """Every worker's contiguous shard of the ``tokens`` of ``train_path`` (``TokenData.train_batches``') holds one
+    window and its shifted targets, at ``world`` workers: the smallest shard, ``tokens // world``, is the bound. The
+    worker runs it at its first batch, the launcher over every world size from the file's size alone."""
+    shard, window = tokens // world, context_length + 1
+    if shard < window:
+        raise ValueError(
+            f"{train_path}: {tokens} tokens over {world} workers leave {shard} per worker, fewer than "
+            f"dataset.context_length + 1 = {window}; valid: dataset.context_length <= {shard - 1} (or at most "
+            f"{max(1, tokens // window)} workers)"
+        )
+
+
 class TokenData(Datasets):
     """Training: random windows from this worker's contiguous shard of ``train.bin`` (deterministic by seed).
     Evaluation: ``val.bin`` cut into consecutive windows, dealt round-robin to the workers.
@@ -58,13 +71,9 @@ class TokenData(Datasets):
 
     def train_batches(self, batch_size: int, rank: int, world: int, seed: int, start: int = 0) -> Iterator[Batch]:
         n = len(self.train_tokens)
+        check_token_shards(self.train_path, n, world, self.context_length)
         low, high = rank * n // world, (rank + 1) * n // world  # this worker's shard of the token stream
         last_start = high - self.context_length - 1  # the window and its shifted targets stay inside the shard
-        if last_start < low:
-            raise ValueError(
-                f"{self.train_path}: {n} tokens over {world} workers leave {high - low} per worker, fewer than "
-                f"dataset.context_length + 1 = {self.context_length + 1}"
-            )
         for index in itertools.count(start):  # each batch's own generator, so a resume can skip
             starts = torch.randint(low, last_start + 1, (batch_size,), generator=batch_generator(seed, rank, 0, index))
             yield self._windows(self.train_tokens, starts.tolist())
