@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from decent_train import topology_names
-import decent_train.launcher.cli  # noqa: F401 - registers the config schema Hydra composes against
+import decent_train.launcher.job  # noqa: F401 - registers the config schema Hydra composes against
 from decent_train.config import MODEL_FILE, RESULT_FILE, check_config
 from decent_train.launcher.preflight import preflight
 

@@ -1,14 +1,12 @@
 """decent-dp 0.2.3 compatibility: its module names and helpers, so its users' scripts run after the import swap.
 
 ``decent_train.ddp`` and ``decent_train.utils`` are this module, ``decent_train.optim`` the engine's optimizers and
-``decent_train.topo`` its topologies (``alias_decent_dp_modules``).
+``decent_train.topo`` its topologies (decent_train/__init__.py names them so when they are first imported).
 """
 
 from __future__ import annotations
 
 import os
-import sys
-from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -38,11 +36,3 @@ def initialize_dist() -> tuple[int, int]:
         else:
             dist.init_process_group(backend="gloo")
     return dist.get_rank(), dist.get_world_size()
-
-
-def alias_decent_dp_modules(package: str) -> None:
-    """Register decent-dp's submodule names under ``package`` (``import package.ddp`` and friends)."""
-    this: ModuleType = sys.modules[__name__]
-    for alias, module in {"ddp": this, "utils": this, "optim": optimizers, "topo": topology}.items():
-        sys.modules[f"{package}.{alias}"] = module
-        setattr(sys.modules[package], alias, module)

@@ -1,0 +1,55 @@
+"""A stop signal to ``decent-train`` before its workers start (Ctrl-C's SIGINT, SIGTERM, SIGUSR1): one line, exit status
+128 + the signal's number. While the workers run, ``launch.StopForwarding`` handles them instead (the workers stop
+with a checkpoint; ``job._exit_stopped`` says how to go on).
+
+Standard library only: ``cli.main`` installs these handlers before it imports the rest of the command (torch, Hydra:
+seconds), which a Ctrl-C most likely cuts short.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from types import FrameType
+from typing import NoReturn
+
+RECEIVED: list[signal.Signals] = []  # every stop signal these handlers took, in order
+
+
+class Stopped(Exception):
+    """Raised by the handler of SIGTERM and SIGUSR1 (SIGINT's raises KeyboardInterrupt), wherever the command is then;
+    ``sigval`` as torch's SignalException names it."""
+
+    def __init__(self, sig: signal.Signals) -> None:
+        super().__init__(f"got {sig.name}")
+        self.sigval = sig
+
+
+def install() -> None:
+    """The handlers, unless SIGINT is ignored (a shell's background job): that stays so."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        if sig != signal.SIGINT or signal.getsignal(sig) is signal.default_int_handler:
+            signal.signal(sig, _raise)
+
+
+def _raise(signum: int, frame: FrameType | None) -> None:
+    sig = signal.Signals(signum)
+    RECEIVED.append(sig)
+    raise KeyboardInterrupt if sig == signal.SIGINT else Stopped(sig)
+
+
+def stop_signal(error: BaseException | None) -> signal.Signals | None:
+    """The stop signal that ended the command with ``error`` (None: it went on). Its own, or, for any other error, the
+    first that came: a library may swallow the exception and go on (torch's import does, in numpy's), or fail in its
+    clean-up of the state it left (OmegaConf's ``flag_override``, in Hydra's composition): both measured."""
+    sig = getattr(error, "sigval", None)  # Stopped, or torch's SignalException (a node agent's second Ctrl-C)
+    if isinstance(sig, signal.Signals):
+        return sig
+    if isinstance(error, KeyboardInterrupt):
+        return signal.SIGINT
+    return RECEIVED[0] if RECEIVED else None
+
+
+def exit_stopped(sig: signal.Signals) -> NoReturn:
+    print(f"decent-train: stopped by {sig.name}; no checkpoint was written at this stop", file=sys.stderr, flush=True)
+    raise SystemExit(128 + int(sig)) from None

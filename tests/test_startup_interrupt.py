@@ -1,0 +1,133 @@
+"""Ctrl-C while ``decent-train`` starts: one line, exit status 130, at any moment, the import of torch and Hydra (the
+first ~2.5 s here) included. Before, the package's ``__init__`` imported the engine (and torch) and ``launcher/cli.py``
+imported the command's every module before ``main`` could catch anything: a Ctrl-C then printed a KeyboardInterrupt
+traceback. The signals are real, sent to a real ``decent-train`` (a dry run: no worker starts) at moments measured
+against an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .jobs import COMMAND
+
+pytestmark = pytest.mark.slow
+
+STOPPED = "decent-train: stopped by {}; no checkpoint was written at this stop"
+MOMENTS = (0.07, 0.2, 0.4, 0.6, 0.85)  # of an uninterrupted dry run's time (to its lines): 0.2 s to 2.5 s here
+TIMEOUT_S = 120
+
+
+def dry_run(run_dir: Path) -> list[str]:
+    return [str(COMMAND), "dry_run=true", f"hydra.run.dir={run_dir}"]
+
+
+@pytest.fixture(scope="module")
+def dry_run_s(tmp_path_factory: pytest.TempPathFactory) -> float:
+    """How long a dry run takes here to its lines (import, composition, checks): the interpreter's exit after them,
+    the last ~0.5 s of the process, is no start-up."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    start = time.monotonic()
+    with subprocess.Popen(dry_run(run_dir / "run"), cwd=run_dir, stdout=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None and proc.stdout.readline() == "dry run: nothing trained\n"
+        lines_at = time.monotonic() - start
+        proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == 0
+    return lines_at
+
+
+def interrupted(tmp_path: Path, after_s: float, sig: signal.Signals, group: bool = True
+                ) -> subprocess.CompletedProcess[str]:
+    """A dry run into ``tmp_path`` sent ``sig`` ``after_s`` seconds after its start: to its process group, as a
+    terminal's Ctrl-C is (``group``), else to it alone, as ``kill`` does."""
+    proc = subprocess.Popen(dry_run(tmp_path / "run"), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        time.sleep(after_s)
+        assert proc.poll() is None, f"the command ended before the signal ({after_s:.2f} s): {proc.communicate()}"
+        if group:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def check_stopped(proc: subprocess.CompletedProcess[str], sig: signal.Signals) -> None:
+    assert (proc.returncode, proc.stderr) == (128 + sig, STOPPED.format(sig.name) + "\n"), \
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+
+
+def test_the_package_and_the_commands_entry_import_nothing_heavy() -> None:
+    """The invariant behind the rest: ``decent-train``'s ``main`` runs before torch (or Hydra) is imported. The names
+    the package exports are still there, imported when asked for, and decent-dp's module names are the engine's."""
+    script = """
+import sys
+import decent_train, decent_train.launcher.cli
+heavy = sorted(m for m in ("torch", "numpy", "hydra", "omegaconf", "loguru") if m in sys.modules)
+assert heavy == [], f"imported by decent_train and its command's entry: {heavy}"
+import decent_train.ddp
+from decent_train.topo import Topology
+from decent_train import DecentralizedDataParallel, Gossip, __all__
+import decent_train.engine.compat, decent_train.engine.topology
+assert decent_train.ddp is decent_train.utils is decent_train.engine.compat
+assert decent_train.topo is decent_train.engine.topology and Topology is decent_train.engine.topology.Topology
+assert decent_train.ddp.__spec__.name == "decent_train.engine.compat"
+assert DecentralizedDataParallel is decent_train.ddp.DecentralizedDataParallel and "Gossip" in __all__
+assert set(__all__) <= set(dir(decent_train)) and {"ddp", "optim", "topo", "utils"} <= set(dir(decent_train))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("moment", MOMENTS)
+def test_ctrl_c_while_starting_is_one_line_and_exit_130(tmp_path: Path, dry_run_s: float, moment: float) -> None:
+    check_stopped(interrupted(tmp_path, moment * dry_run_s, signal.SIGINT), signal.SIGINT)
+
+
+def test_sigterm_while_starting_is_one_line_and_exit_143(tmp_path: Path, dry_run_s: float) -> None:
+    check_stopped(interrupted(tmp_path, 0.4 * dry_run_s, signal.SIGTERM, group=False), signal.SIGTERM)
+
+
+# SIGINT to the command itself at the moment torch's C extension imports numpy: torch takes the KeyboardInterrupt
+# for a failed numpy import, and goes on without it (measured: the dry run then finished, exit 0, no line).
+IN_NUMPY_UNDER_TORCH = """
+import linecache, os, signal, sys
+
+class SigintInNumpyUnderTorch:
+    def find_spec(self, name, path=None, target=None):
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename.startswith("<frozen"):
+            frame = frame.f_back
+        line = linecache.getline(frame.f_code.co_filename, frame.f_lineno) if frame is not None else ""
+        if name == "numpy" and "from torch._C import" in line:
+            sys.meta_path.remove(self)
+            open(os.environ["SENT_FILE"], "w").close()
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, SigintInNumpyUnderTorch())
+sys.argv = ["decent-train", *sys.argv[1:]]
+from decent_train.launcher.cli import main
+main()
+"""
+
+
+def test_ctrl_c_that_torchs_import_swallows_still_stops(tmp_path: Path) -> None:
+    sent = tmp_path / "sent"
+    argv = [sys.executable, "-c", IN_NUMPY_UNDER_TORCH, *dry_run(tmp_path / "run")[1:]]
+    proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S,
+                          env={**os.environ, "SENT_FILE": str(sent)})
+    assert sent.exists(), f"torch no longer imports numpy from its C extension: the moment is gone\n{proc.stderr}"
+    check_stopped(proc, signal.SIGINT)
