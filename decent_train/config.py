@@ -14,7 +14,6 @@ launcher's preflight (``decent_train.launcher.preflight``), run once before any 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -23,6 +22,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from decent_train.components.checkpoint import CheckpointConfig
+from decent_train.components.checks import engine_check, refusing_ignored
+from decent_train.components.compression import COPY_DTYPES, CompressionConfig  # noqa: F401  (re-exported)
 from decent_train.components.data import IMAGE_DATASETS, DatasetConfig
 from decent_train.components.launch import (  # noqa: F401  (the launch schema's names, re-exported)
     DEVICES, FAULT_TOLERANCE, LIVE_ROLES, TORCH_KEEP_ALIVE_S, TORCH_LAST_CALL_S, FaultToleranceConfig, LaunchConfig,
@@ -32,7 +33,6 @@ from decent_train.components.metrics import LoggerConfig
 from decent_train.components.models import ModelConfig
 from decent_train.components.optim import OptimConfig, SchedulerConfig
 from decent_train.engine import ALLREDUCE, reconfigure
-from decent_train.engine.compress import COMPRESSORS, make_compressor
 from decent_train.engine.ddp import check_engine_arguments
 from decent_train.engine.node_layout import layout_over_nodes
 from decent_train.engine.topology import ShardedTopology, Topology, build_topology
@@ -40,7 +40,6 @@ from decent_train.engine.topology import ShardedTopology, Topology, build_topolo
 PHASE_ALGORITHMS = ("decentralized", ALLREDUCE)  # a phase's engine mode: gossip over a topology, or all-reduce
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # autocast dtypes
 IMAGE_MODELS = ("cnn", "resnet18", "resnet50")
-COPY_DTYPES = {"param": None, "bf16": torch.bfloat16}
 # parallel.mixed_precision -> FSDP2's (param_dtype, reduce_dtype): what the replica's all-gathers and reduce-scatters
 # carry (None: the parameters' own dtype). The shards the optimizer steps, and so the gossip, keep their own dtype.
 MIXED_PRECISIONS: dict[str, tuple[Optional[torch.dtype], Optional[torch.dtype]]] = {
@@ -62,15 +61,6 @@ def _default(schema: type, key: str) -> Any:
     return schema.__dataclass_fields__[key].default
 
 
-def engine_check(key: str, value: Any, check: Callable[[], object]) -> None:
-    """Run one of the engine's own argument checks on the config's ``key``: the same rule in both places, with an
-    error that names the config key."""
-    try:
-        check()
-    except ValueError as error:
-        raise ValueError(f"{key}={value}: {error}") from None
-
-
 @dataclass
 class AlgorithmConfig:
     """``conf/algorithm/*.yaml``: how the workers train together. An algorithm with options of its own subclasses
@@ -79,6 +69,10 @@ class AlgorithmConfig:
     group's."""
 
     name: str = "decentralized"  # decentralized (the engine: gossip) | allreduce (torch DDP)
+
+    def check_run(self, steps: int) -> None:
+        """Refuse options that a run of ``steps`` optimizer steps in all (a resumed run's too) leaves nothing to do
+        (``LocalSGDConfig``'s: no outer step). Not called for a run of ``epochs``: the worker counts its steps."""
 
 
 @dataclass(frozen=True)
@@ -137,36 +131,6 @@ class TopologyConfig:
                 importlib.import_module(self.module)
             except ImportError as error:
                 raise ValueError(f"topology.module={self.module!r} cannot be imported: {error}") from None
-
-
-@dataclass
-class CompressionConfig:
-    """``conf/compression/*.yaml``: what gossip sends (engine/compress.py). ``none`` sends the parameters; ``bf16``
-    and ``int8`` send compressed differences to public copies (CHOCO-SGD), which keeps the workers' mean exact."""
-
-    name: str = "none"  # none | bf16 | int8
-    consensus_step: float = 1.0  # bf16, int8: the step toward the neighbours' public copies (CHOCO's gamma), in (0, 1]
-    int8_block: int = 256  # int8: elements per float32 scale
-    copy_dtype: str = "param"  # bf16, int8: a pair's public copies: param (the parameters' dtype) | bf16 (half memory)
-
-    def __post_init__(self) -> None:
-        if self.name not in ("none", *COMPRESSORS):
-            raise ValueError(f"compression={self.name!r} is not a compression; valid: none, {', '.join(COMPRESSORS)}")
-        step = self.consensus_step
-        engine_check("compression.consensus_step", step, lambda: check_engine_arguments(consensus_step=step))
-        engine_check("compression.int8_block", self.int8_block, lambda: make_compressor("int8", self.int8_block))
-        if self.copy_dtype not in COPY_DTYPES:
-            raise ValueError(f"compression.copy_dtype={self.copy_dtype!r}; valid: {', '.join(COPY_DTYPES)}")
-
-    def engine_kwargs(self) -> dict[str, Any]:
-        """The engine's ``compression`` and ``consensus_step`` arguments."""
-        if self.name == "none":
-            return {}
-        return {
-            "compression": make_compressor(self.name, self.int8_block),
-            "consensus_step": self.consensus_step,
-            "public_copy_dtype": COPY_DTYPES[self.copy_dtype],
-        }
 
 
 @dataclass
@@ -300,6 +264,8 @@ class TrainConfig:
                 f"compression={self.compression.name} compresses gossip; algorithm={self.algorithm.name} does not "
                 "gossip: use algorithm=decentralized, diloco or localsgd, or compression=none"
             )
+        if refusing_ignored():  # options the run would ignore (not for a run already written: load_model)
+            self._check_ignored(traits)
         if traits.local_steps:
             self._check_local_steps()
         self._check_engine_keys(traits)
@@ -323,6 +289,29 @@ class TrainConfig:
                 self.batch_size_per_worker(world_size)
         if self.steps < 0 or (self.steps == 0 and self.epochs <= 0):
             raise ValueError(f"steps={self.steps}, epochs={self.epochs}: set steps >= 1, or steps=0 and epochs > 0")
+
+    def _check_ignored(self, traits: AlgorithmTraits) -> None:
+        """Options the run would silently ignore (the component configs refuse their own keys that the chosen option
+        never reads): a ``topology.*`` key set where the algorithm does not gossip, and what a run of ``steps`` would
+        never reach: the warmup's end, the first outer step (unchecked for a run of epochs: the worker counts its
+        steps)."""
+        if not traits.gossips:
+            self._check_no_topology()
+        if self.steps:
+            self.algorithm.check_run(self.steps)
+        self.scheduler.check_run(self.steps, self.epochs)
+
+    def _check_no_topology(self) -> None:
+        """An algorithm that does not gossip reads no ``topology.*`` key: one set away from its default is refused."""
+        for name in ("name", "local_world_size", "module"):
+            value, default = getattr(self.topology, name), _default(TopologyConfig, name)
+            key = "topology" if name == "name" else f"topology.{name}"
+            if value != default:
+                raise ValueError(
+                    f"{key}={value} with algorithm={self.algorithm.name}: algorithm={self.algorithm.name} does not "
+                    f"gossip and reads no topology; use one that does ({_having('gossips')}), or leave {key}="
+                    f"{'null' if default is None else default}"
+                )
 
     def _check_local_steps(self) -> None:
         """What cannot apply when each worker steps alone between outer steps (``AlgorithmTraits.local_steps``)."""

@@ -373,10 +373,15 @@ def test_local_steps_compose_typed_take_compression_and_count_fragments_from_the
     assert trainable_tensors(gpt, tokens=True) == len(list(build_model(gpt, (16,), 50).parameters())) == 2 + 2 * 6 + 1  # wte, wpe; per block ln_1, qkv, proj, ln_2, fc, proj; ln_f
 
 
-def test_allreduce_ignores_the_topology() -> None:
-    cfg = check_config({"algorithm": "allreduce", "topology": {"name": "one-peer-exp"}, "launch": {"nproc_per_node": 3}})
-    preflight(cfg)  # one-peer-exp cannot be laid out over 3 workers, but no topology is built
-    assert cfg.launch.world_size == 3
+def test_allreduce_builds_no_topology_and_refuses_one_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """All-reduce reads no topology: the preflight builds none, and a topology set away from the default (which it
+    would ignore) is refused in one line naming both keys (once accepted: one-peer-exp over 3 workers passed)."""
+    cfg = check_config({"algorithm": "allreduce", "launch": {"nproc_per_node": 3}})
+    monkeypatch.setattr(TrainConfig, "build_topology", lambda *_: pytest.fail("all-reduce built a topology"))
+    preflight(cfg)
+    assert cfg.launch.world_size == 3 and cfg.schedule() == "allreduce"
+    with pytest.raises(ValueError, match=r"^topology=one-peer-exp with algorithm=allreduce: .* leave topology=ring$"):
+        check_config({"algorithm": "allreduce", "topology": {"name": "one-peer-exp"}, "launch": {"nproc_per_node": 3}})
 
 
 def test_multi_node_torchrun_command() -> None:

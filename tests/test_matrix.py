@@ -80,6 +80,15 @@ def _schedules() -> list[tuple[str, Override]]:
 GROUPS = ("algorithm", "compression", "fault_tolerance")  # config groups: ``compression=int8`` sets its ``name``
 
 
+def _algorithm(name: str) -> Override:
+    """``algorithm=name``; one with outer steps (``sync_every``) takes two in the base job's steps: its default period
+    would outlast them, a run that never communicates (refused)."""
+    options: Override = {"name": name}
+    if "sync_every" in ALGORITHM_TRAITS[name].schema.__dataclass_fields__:
+        options["sync_every"] = BASE["steps"] // 2
+    return options
+
+
 def axes() -> list[tuple[str, list[tuple[str, Override]]]]:
     """(axis, [(label, override)]) for each axis of the matrix, read from the schema and the registries now."""
     def keyed(key: str, values: list[Any]) -> tuple[str, list[tuple[str, Override]]]:
@@ -87,7 +96,8 @@ def axes() -> list[tuple[str, list[tuple[str, Override]]]]:
         return key, [(f"{key}={v}", _set(path, v)) for v in values]
 
     return [
-        keyed("algorithm", _named(_default(TrainConfig, "algorithm").name, ALGORITHM_TRAITS)),
+        ("algorithm", [(f"algorithm={name}", {"algorithm": _algorithm(name)})
+                       for name in _named(_default(TrainConfig, "algorithm").name, ALGORITHM_TRAITS)]),
         keyed("compression", _named(_default(CompressionConfig, "name"), ("none", *COMPRESSORS))),
         keyed("parallel.shard", _typed(ParallelConfig, "shard")),
         keyed("fault_tolerance", _named(_default(FaultToleranceConfig, "name"), FAULT_TOLERANCE)),
@@ -250,8 +260,9 @@ def covering(candidates: list[Cell], width: int, limit: int | None = None) -> li
 def _train(cell: Cell, tmp_path: Path) -> None:
     run_dir = tmp_path / "-".join(label.replace("=", "_") for label in cell.labels)
     override = {k: v for k, v in cell.override.items() if k not in ("launch", "model")}
-    # the forked workers share one node without LOCAL_WORLD_SIZE: the layout is set here
-    cfg = make_cfg(run_dir, **_merge(override, {"topology": {"local_world_size": 2}}))
+    # the forked workers share one node without LOCAL_WORLD_SIZE: the layout is set here (where a topology is read)
+    gossips = ALGORITHM_TRAITS[override["algorithm"]["name"]].gossips
+    cfg = make_cfg(run_dir, **_merge(override, {"topology": {"local_world_size": 2}} if gossips else {}))
     steps = cfg.steps
     results = run_workers(train_on_cpu, 2, cfg, timeout=240)
     assert len(results) == 2

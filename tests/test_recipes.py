@@ -76,12 +76,14 @@ def test_gpt2_owt_is_the_papers_setup() -> None:
         ("gpt2_owt", {"name": "adamw", "beta1": 0.9, "beta2": 0.95}),
     ],
 )
-def test_allreduce_twin_differs_only_in_algorithm_and_optimizer(recipe: str, optim: dict[str, Any]) -> None:
+def test_allreduce_twin_differs_only_in_algorithm_optimizer_and_topology(recipe: str, optim: dict[str, Any]) -> None:
+    """The twin's topology is the default: all-reduce reads none, and refuses one set (the base's)."""
     base, twin = compose_recipe(recipe), compose_recipe(f"{recipe}_allreduce")
     assert twin["algorithm"] == {"name": "allreduce"} and has(twin["optim"], optim)
     assert twin["optim"]["weight_decay"] == base["optim"]["weight_decay"]
-    assert {k: v for k, v in twin.items() if k not in ("algorithm", "optim")} == {
-        k: v for k, v in base.items() if k not in ("algorithm", "optim")
+    assert twin["topology"] == {**base["topology"], "name": "ring"} and base["topology"]["name"] != "ring"
+    assert {k: v for k, v in twin.items() if k not in ("algorithm", "optim", "topology")} == {
+        k: v for k, v in base.items() if k not in ("algorithm", "optim", "topology")
     }
 
 
@@ -119,7 +121,7 @@ def tiny_overrides(name: str, data: dict[str, Path]) -> list[str]:
         return common + ["dataset.image_size=32", "dataset.loader_workers=0", "global_batch_size=4"]
     if name.startswith("gpt2"):
         return common + ["dataset.vocab_size=64", "model.layers=2", "model.heads=2",
-                         "model.width=32", "global_batch_size=4"]
+                         "model.width=32", "global_batch_size=4", "scheduler.warmup_steps=1"]  # 2000: past 2 steps
     if name in ("cpu_phases", "phases_sweep"):
         return common + ["phases.0.steps=1"]  # both phases run: 1 all-reduce step, then gossip
     return common

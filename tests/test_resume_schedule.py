@@ -184,7 +184,8 @@ def test_another_base_lr_follows_the_new_lr() -> None:
 # -- through the launcher's worker: resume=RUN steps=more ------------------------------------------------------------
 E2E_FIRST = SchedulerConfig(warmup_fraction=0.1)  # 6 steps: no warmup; 20 steps: 2 steps of warmup
 PATHS = {  # each loads its schedule its own way: the engine's buckets, DDP's optimizer, the inner optimizer, FSDP2's
-    "decentralized": {}, "allreduce": {"algorithm": "allreduce"}, "diloco": {"algorithm": "diloco"},
+    "decentralized": {}, "allreduce": {"algorithm": "allreduce"},
+    "diloco": {"algorithm": {"name": "diloco", "sync_every": 3}},  # an outer step in the first 6 steps (10: refused)
     "sharded": {"parallel": {"shard": 2}, "topology": {"local_world_size": 2}},
 }
 

@@ -50,6 +50,18 @@ class LocalSGDConfig(AlgorithmConfig):
     def __post_init__(self) -> None:
         self._check(fragment_update_alpha=0.0)
 
+    def check_run(self, steps: int) -> None:
+        """Every fragment syncs once per ``sync_every`` inner steps (fragment k after (k + 1) sync_every / fragments):
+        a run shorter than that would never exchange the whole model (one fragment: nothing at all)."""
+        if self.sync_every > steps:
+            never = ("its first outer step: the workers would never communicate" if self.fragments == 1 else
+                     f"each of its {self.fragments} fragments has synced once: part of the model would never be mixed")
+            multiple = f" (a multiple of algorithm.fragments={self.fragments})" if self.fragments > 1 else ""
+            raise ValueError(
+                f"algorithm.sync_every={self.sync_every} with steps={steps}: the run would end before {never}; "
+                f"valid: algorithm.sync_every <= {steps}{multiple}, or steps >= {self.sync_every}"
+            )
+
     def _check(self, fragment_update_alpha: float) -> None:
         """The front's own rules (one place), their message naming the ``algorithm.`` key."""
         try:

@@ -8,6 +8,7 @@ from functools import partial
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
+from decent_train.components.checks import refuse_unread, refusing_ignored
 from decent_train.engine.optimizers import (
     LRSchedulerFn,
     OptimFn,
@@ -27,6 +28,9 @@ OPTIMIZERS = {
     "sgd": optim_fn_sgd,
 }
 SCHEDULER_NAMES = ("cosine", "constant")
+WARMUP_KEYS = ("warmup_steps", "warmup_epochs", "warmup_fraction")  # the first of them set (> 0) is the warmup
+# scheduler.<key> -> the schedules that read it: set away from its default under another, it is refused.
+SCHEDULER_READERS = {key: ("cosine",) for key in (*WARMUP_KEYS, "warmup_start", "min_lr")}
 
 
 @dataclass
@@ -82,6 +86,45 @@ class SchedulerConfig:
             )
         if not 0.0 < self.warmup_start <= 1.0:
             raise ValueError(f"scheduler.warmup_start={self.warmup_start} must be in (0, 1]")
+        refuse_unread("scheduler", self, SCHEDULER_READERS)
+        if refusing_ignored():
+            self._check_warmup_keys()
+
+    def _check_warmup_keys(self) -> None:
+        """The first of ``WARMUP_KEYS`` above 0 sets the warmup: another set too is never read (a fraction left at
+        its default or 0 passes), nor is ``warmup_start`` when all are 0."""
+        defaults = type(self).__dataclass_fields__
+        first, *later = [key for key in WARMUP_KEYS if getattr(self, key) > 0] or [None]
+        for key in later:
+            if getattr(self, key) != defaults[key].default:
+                raise ValueError(
+                    f"scheduler.{key}={getattr(self, key)} with scheduler.{first}={getattr(self, first)}: {first} sets "
+                    f"the warmup, and {key} is read only when {first}=0; set one of them to 0"
+                )
+        if first is None and self.warmup_start != defaults["warmup_start"].default:
+            raise ValueError(
+                f"scheduler.warmup_start={self.warmup_start}: there is no warmup (scheduler.warmup_steps, "
+                "warmup_epochs and warmup_fraction are 0); set one of them, or leave scheduler.warmup_start="
+                f"{defaults['warmup_start'].default}"
+            )
+
+    def check_run(self, steps: int, epochs: float) -> None:
+        """Refuse a warmup as long as the run or longer (``steps``: the run's optimizer steps in all, a resumed run's
+        too; 0: ``epochs`` epochs): it would be cut to the run's steps but one, with no decay after it. A warmup and
+        a run counted in different units (warmup_steps with epochs, warmup_epochs with steps) pass: the steps of an
+        epoch are counted in the worker (the data's size, the world size the run started with)."""
+        if self.name != "cosine":
+            return
+        if steps and self.warmup_steps >= steps:
+            raise ValueError(
+                f"scheduler.warmup_steps={self.warmup_steps} with steps={steps}: the warmup would take the whole run "
+                f"(cut to {steps - 1} steps, no decay after it); valid: scheduler.warmup_steps in 0..{steps - 1}"
+            )
+        if not steps and not self.warmup_steps and self.warmup_epochs >= epochs:
+            raise ValueError(
+                f"scheduler.warmup_epochs={self.warmup_epochs} with epochs={epochs}: the warmup would take the whole "
+                f"run (no decay after it); valid: scheduler.warmup_epochs < {epochs}"
+            )
 
 
 def make_optim_fn(cfg: OptimConfig) -> OptimFn:

@@ -17,6 +17,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import Tensor, nn
 
+from decent_train.components.checks import as_written
 from decent_train.components.models import build_model
 from decent_train.config import MODEL_FILE, RESOLVED_CONFIG, RESULT_FILE, TrainConfig, check_config
 
@@ -57,7 +58,7 @@ def load_model(run_dir: str | Path) -> TrainedModel:
         if not path.is_file():
             why = " (the run ends by writing it: did it finish?)" if name != RESOLVED_CONFIG else ""
             raise FileNotFoundError(f"{path} does not exist{why}; {run_dir} is not a finished run's directory")
-    config = _read(paths[RESOLVED_CONFIG], lambda p: check_config(OmegaConf.load(p)))
+    config = _read(paths[RESOLVED_CONFIG], _written_config)
     result = _read(paths[RESULT_FILE], lambda p: json.loads(p.read_text()))
     if INPUT_SHAPE not in result or OUTPUTS not in result:
         raise ValueError(f"{paths[RESULT_FILE]} has no {INPUT_SHAPE} and {OUTPUTS} (a run written before "
@@ -72,6 +73,12 @@ def load_model(run_dir: str | Path) -> TrainedModel:
         raise ValueError(f"{paths[MODEL_FILE]} does not fit model={config.model.name} as {paths[RESOLVED_CONFIG]} "
                          f"builds it: {' '.join(line.strip() for line in problem[:3])}") from None
     return TrainedModel(model.eval(), config)
+
+
+def _written_config(path: Path) -> TrainConfig:
+    """The run's resolved config, checked as the run it was: an option it ignored, refused since, still loads."""
+    with as_written():
+        return check_config(OmegaConf.load(path))
 
 
 def _read(path: Path, read: Callable[[Path], Read]) -> Read:

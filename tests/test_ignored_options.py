@@ -1,0 +1,184 @@
+"""Options whose value the run would silently ignore are refused before any worker starts, in one line naming the
+value and what is valid (docs/cli.md#errors): a key that the chosen option never reads, set away from its default
+(``algorithm=allreduce topology=one-peer-exp``, ``compression=none compression.int8_block=64``, ``scheduler=constant
+scheduler.min_lr=0.1``, a warmup key after the one that sets the warmup), a warmup as long as the run, and outer steps
+that a run of ``steps`` never reaches. The same key at its default, and the options that do read it, still pass.
+
+The table goes through what ``decent-train`` runs before any worker (``check_like_the_cli``: Hydra's compose,
+``check_config``, the preflight, the CLI's one line); the slow tests run the command itself: every refusal at once
+(exit 2, one line, no run directory), and one short DiLoCo run whose only outer step is its last step.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import decent_train as package
+from decent_train.components.models import build_model
+from decent_train.config import check_config
+
+from .jobs import check_succeeded, decent_train, records, start
+from .test_cli_fuzz import check_like_the_cli
+from .test_load_model import _write_run
+
+REFUSED = {  # overrides -> what the one line must hold
+    "allreduce with a topology": (["algorithm=allreduce", "topology=one-peer-exp"], [
+        "topology=one-peer-exp with algorithm=allreduce", "does not gossip", "leave topology=ring"]),
+    "allreduce with a topology layout": (["algorithm=allreduce", "topology.local_world_size=2"], [
+        "topology.local_world_size=2 with algorithm=allreduce", "leave topology.local_world_size=null"]),
+    "allreduce with a topology module": (["algorithm=allreduce", "topology.module=my_topologies"], [
+        "topology.module=my_topologies with algorithm=allreduce", "leave topology.module=null"]),
+    "no compression with an int8 block": (["compression=none", "compression.int8_block=64"], [
+        "compression.int8_block=64 with compression=none", "use compression=int8", "leave compression.int8_block=256"]),
+    "bf16 with an int8 block": (["compression=bf16", "compression.int8_block=64"], [
+        "compression.int8_block=64 with compression=bf16", "use compression=int8"]),
+    "no compression with a consensus step": (["compression.consensus_step=0.5"], [
+        "compression.consensus_step=0.5 with compression=none", "use compression=bf16|int8",
+        "leave compression.consensus_step=1.0"]),
+    "no compression with bf16 copies": (["compression.copy_dtype=bf16"], [
+        "compression.copy_dtype=bf16 with compression=none", "leave compression.copy_dtype=param"]),
+    "constant with a minimum": (["scheduler=constant", "scheduler.min_lr=0.1"], [
+        "scheduler.min_lr=0.1 with scheduler=constant", "use scheduler=cosine", "leave scheduler.min_lr=1e-06"]),
+    "constant with warmup steps": (["scheduler=constant", "scheduler.warmup_steps=5"], [
+        "scheduler.warmup_steps=5 with scheduler=constant", "leave scheduler.warmup_steps=0"]),
+    "constant with warmup epochs": (["scheduler=constant", "scheduler.warmup_epochs=1"], [
+        "scheduler.warmup_epochs=1.0 with scheduler=constant", "leave scheduler.warmup_epochs=0.0"]),
+    "constant with a warmup fraction": (["scheduler=constant", "scheduler.warmup_fraction=0.1"], [
+        "scheduler.warmup_fraction=0.1 with scheduler=constant", "leave scheduler.warmup_fraction=0.05"]),
+    "constant with a warmup start": (["scheduler=constant", "scheduler.warmup_start=0.1"], [
+        "scheduler.warmup_start=0.1 with scheduler=constant", "leave scheduler.warmup_start=0.01"]),
+    "warmup longer than the run": (["steps=10", "scheduler.warmup_steps=20"], [
+        "scheduler.warmup_steps=20 with steps=10", "the whole run", "valid: scheduler.warmup_steps in 0..9"]),
+    "warmup as long as the run": (["steps=10", "scheduler.warmup_steps=10"], [
+        "scheduler.warmup_steps=10 with steps=10", "valid: scheduler.warmup_steps in 0..9"]),
+    "warmup epochs as long as the run": (["epochs=2", "scheduler.warmup_epochs=2"], [
+        "scheduler.warmup_epochs=2.0 with epochs=2.0", "valid: scheduler.warmup_epochs < 2.0"]),
+    "warmup epochs after warmup steps": (["scheduler.warmup_steps=5", "scheduler.warmup_epochs=1"], [
+        "scheduler.warmup_epochs=1.0 with scheduler.warmup_steps=5", "read only when warmup_steps=0"]),
+    "warmup fraction after warmup epochs": (["scheduler.warmup_epochs=1", "scheduler.warmup_fraction=0.1"], [
+        "scheduler.warmup_fraction=0.1 with scheduler.warmup_epochs=1.0", "read only when warmup_epochs=0"]),
+    "warmup start without a warmup": (["scheduler.warmup_fraction=0", "scheduler.warmup_start=0.1"], [
+        "scheduler.warmup_start=0.1: there is no warmup", "leave scheduler.warmup_start=0.01"]),
+    "diloco shorter than its period": (["algorithm=diloco", "steps=5"], [
+        "algorithm.sync_every=10 with steps=5", "never communicate", "valid: algorithm.sync_every <= 5"]),
+    "localsgd shorter than its period": (["algorithm=localsgd", "algorithm.sync_every=20", "steps=10"], [
+        "algorithm.sync_every=20 with steps=10", "valid: algorithm.sync_every <= 10, or steps >= 20"]),
+    "streaming diloco that never syncs a fragment": (
+        ["algorithm=diloco", "algorithm.sync_every=8", "algorithm.fragments=2", "steps=6"],
+        ["algorithm.sync_every=8 with steps=6", "each of its 2 fragments", "a multiple of algorithm.fragments=2"]),
+    # steps counts the whole run, a resumed one too: the check comes before the resume's checkpoint is read
+    "a resume shorter than the period": (["algorithm=diloco", "steps=5", "resume=/no/such/run"], [
+        "algorithm.sync_every=10 with steps=5"]),
+}
+
+ACCEPTED = {  # the neighbours: the same key at its default, or under the option that reads it
+    "allreduce": ["algorithm=allreduce"],
+    "allreduce with the default topology": ["algorithm=allreduce", "topology=ring"],  # cannot be told from unset
+    "gossip over a topology": ["topology=one-peer-exp", "topology.local_world_size=2"],
+    "diloco's outer step over a topology": ["algorithm=diloco", "topology=complete", "steps=20"],
+    "phases that gossip over the topology": ["topology=one-peer-exp", "steps=20",
+                                             "phases=[{algorithm:allreduce,steps:5},{}]"],
+    "phases that name their topology": ["phases=[{algorithm:allreduce,steps:5},{topology:one-peer-exp}]"],
+    "int8 with its block": ["compression=int8", "compression.int8_block=64", "compression.consensus_step=0.5"],
+    "bf16 with its keys": ["compression=bf16", "compression.consensus_step=0.5", "compression.copy_dtype=bf16"],
+    "no compression, keys at their defaults": ["compression=none", "compression.int8_block=256",
+                                               "compression.consensus_step=1.0", "compression.copy_dtype=param"],
+    "constant": ["scheduler=constant"],
+    "constant, keys at their defaults": ["scheduler=constant", "scheduler.min_lr=1e-6", "scheduler.warmup_steps=0"],
+    "cosine with its keys": ["scheduler.min_lr=0.1", "scheduler.warmup_start=0.1", "scheduler.warmup_fraction=0.2"],
+    "warmup one step short of the run": ["steps=10", "scheduler.warmup_steps=9"],
+    "warmup epochs short of the run": ["epochs=2", "scheduler.warmup_epochs=1.5"],
+    "warmup steps, fraction at its default": ["scheduler.warmup_steps=5", "scheduler.warmup_fraction=0.05"],
+    "warmup epochs, fraction 0 (the recipes')": ["scheduler.warmup_steps=0", "scheduler.warmup_epochs=1",
+                                                 "scheduler.warmup_fraction=0"],
+    "no warmup, start at its default": ["scheduler.warmup_fraction=0"],
+    # Left accepted: warmup and run counted in different units. An epoch's steps are known only in the worker (the
+    # data's size, the world size the run started with), so the launcher cannot compare them.
+    "warmup steps in a run of epochs": ["epochs=1", "scheduler.warmup_steps=100000"],
+    "warmup epochs in a run of steps": ["steps=10", "scheduler.warmup_epochs=50"],
+    "diloco's period equal to the run": ["algorithm=diloco", "steps=10"],
+    "streaming diloco that syncs each fragment once": ["algorithm=diloco", "algorithm.sync_every=8",
+                                                       "algorithm.fragments=2", "steps=8"],
+    "diloco in a run of epochs": ["algorithm=diloco", "algorithm.sync_every=500"],  # left accepted, as the warmup
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_an_ignored_option_is_refused_in_one_line(case: str) -> None:
+    overrides, expected = REFUSED[case]
+    line = check_like_the_cli(overrides)
+    assert line is not None, f"{overrides} was accepted"
+    assert "\n" not in line.strip()
+    for fragment in expected:
+        assert fragment in line, line
+
+
+@pytest.mark.parametrize("case", ACCEPTED)
+def test_its_neighbour_is_accepted(case: str) -> None:
+    assert check_like_the_cli(ACCEPTED[case]) is None
+
+
+def test_a_workers_reload_refuses_the_same() -> None:
+    """``check_config`` runs again in each worker, on the resolved YAML: the same rules, not only the launcher's."""
+    with pytest.raises(ValueError, match=r"^scheduler\.min_lr=0\.1 with scheduler=constant"):
+        check_config({"scheduler": {"name": "constant", "min_lr": 0.1}})
+    with pytest.raises(ValueError, match=r"^algorithm\.sync_every=10 with steps=5"):
+        check_config({"algorithm": {"name": "localsgd"}, "steps": 5})
+    assert check_config({"algorithm": {"name": "localsgd"}, "steps": 10}).algorithm.sync_every == 10
+
+
+def test_a_run_written_before_the_refusals_still_loads(tmp_path: Path) -> None:
+    """``load_model`` reads a run as it ran: a run of the all-reduce twin recipes as they were (the base recipe's
+    topology under all-reduce), or with the other ignored options above, still loads; only a new job is refused."""
+    from decent_train.components.checks import as_written  # here: the file's other tests run on any version
+    written = {"algorithm": "allreduce", "topology": {"name": "alternating-exp-ring"}, "steps": 4,
+               "scheduler": {"name": "constant", "min_lr": 0.1}, "compression": {"int8_block": 64},
+               "model": {"name": "mlp", "hidden_sizes": [8]},
+               "dataset": {"name": "synthetic", "input_shape": [5], "num_classes": 4}}
+    with pytest.raises(ValueError, match="^scheduler.min_lr=0.1 with scheduler=constant"):
+        check_config(written)
+    with as_written():
+        cfg = check_config(written)
+    _write_run(tmp_path, cfg, build_model(cfg.model, (5,), 4).state_dict(), (5,), 4)
+    loaded = package.load_model(tmp_path)
+    assert loaded.config == cfg and (loaded.config.topology.name, loaded.config.scheduler.min_lr) == (
+        "alternating-exp-ring", 0.1)
+    with pytest.raises(ValueError, match="^topology=alternating-exp-ring with algorithm=allreduce"):
+        check_config(written | {"scheduler": {}, "compression": {}})  # as_written ends with its block
+
+
+@pytest.fixture(scope="module")
+def refused_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str, int, Path]]:
+    """Every refused command at once (each costs an interpreter start, not a launch)."""
+    root = tmp_path_factory.mktemp("ignored")
+    runs = {}
+    for name, (args, _) in REFUSED.items():
+        run_dir = root / name.replace(" ", "_")
+        runs[name] = (start(*args, f"hydra.run.dir={run_dir}", cwd=root), run_dir)
+    return {name: (*proc.communicate(timeout=180), proc.returncode, run_dir) for name, (proc, run_dir) in runs.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", REFUSED)
+def test_the_command_refuses_it_before_any_worker(case: str, refused_runs: dict) -> None:
+    _, stderr, returncode, run_dir = refused_runs[case]
+    assert returncode == 2, stderr
+    (line,) = stderr.strip().splitlines()
+    assert line.startswith("decent-train: error: ")
+    assert all(fragment in line for fragment in REFUSED[case][1]), line
+    assert not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_a_period_equal_to_the_run_takes_its_outer_step_at_the_end(tmp_path: Path) -> None:
+    """The boundary the refusal leaves open communicates: ``sync_every == steps`` takes one outer step, the last."""
+    run_dir = tmp_path / "run"
+    check_succeeded(decent_train("algorithm=diloco", "algorithm.sync_every=4", "steps=4", "launch.nproc_per_node=2",
+                                 "model=mlp", "logger=jsonl", "logger.progress_bar=false", "logger.log_every=1",
+                                 "eval_every=0", f"hydra.run.dir={run_dir}", cwd=tmp_path))
+    outer = {r["step"]: r["outer/step"] for r in records(run_dir) if "outer/step" in r}
+    assert outer == {1: 0, 2: 0, 3: 0, 4: 1}, outer
+    assert json.loads((run_dir / "result.json").read_text())["steps"] == 4
