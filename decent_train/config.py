@@ -13,6 +13,7 @@ launcher's preflight (``decent_train.launcher.preflight``), run once before any 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from decent_train.components.checkpoint import CheckpointConfig
-from decent_train.components.checks import engine_check, refusing_ignored
+from decent_train.components.checks import as_sweep_job, engine_check, refusing_ignored, refusing_unread
 from decent_train.components.compression import COPY_DTYPES, CompressionConfig  # noqa: F401  (re-exported)
 from decent_train.components.data import IMAGE_DATASETS, DatasetConfig
 from decent_train.components.launch import (  # noqa: F401  (the launch schema's names, re-exported)
@@ -295,7 +296,7 @@ class TrainConfig:
         never reads): a ``topology.*`` key set where the algorithm does not gossip, and what a run of ``steps`` would
         never reach: the warmup's end, the first outer step (unchecked for a run of epochs: the worker counts its
         steps)."""
-        if not traits.gossips:
+        if not traits.gossips and refusing_unread():
             self._check_no_topology()
         if self.steps:
             self.algorithm.check_run(self.steps)
@@ -571,7 +572,8 @@ def check_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:
     schema = OmegaConf.structured(TrainConfig)
     schema.algorithm = OmegaConf.structured(algorithm_traits(name).schema)  # its own options, typed
     merged = OmegaConf.merge(schema, cfg)
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    with as_sweep_job() if merged.run.job_num is not None else contextlib.nullcontext():
+        return OmegaConf.to_object(merged)  # type: ignore[return-value]
 
 
 def load_config(path: str | Path) -> TrainConfig:

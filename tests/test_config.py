@@ -54,7 +54,7 @@ def data_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     write_cifar(root / "cifar10", "cifar10")
     write_cifar(root / "cifar100", "cifar100")
     write_image_folder(root / "imagefolder")
-    write_token_files(root / "tokens", n_train=3000, n_val=1100)
+    write_token_files(root / "tokens", n_train=4200, n_val=1100)  # 4 workers: a window of 1025 each
     return {name: root / name for name in ("npz", "cifar10", "cifar100", "imagefolder", "tokens")}
 
 

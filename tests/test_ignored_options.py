@@ -2,7 +2,8 @@
 value and what is valid (docs/cli.md#errors): a key that the chosen option never reads, set away from its default
 (``algorithm=allreduce topology=one-peer-exp``, ``compression=none compression.int8_block=64``, ``scheduler=constant
 scheduler.min_lr=0.1``, a warmup key after the one that sets the warmup), a warmup as long as the run, and outer steps
-that a run of ``steps`` never reaches. The same key at its default, and the options that do read it, still pass.
+that a run of ``steps`` never reaches. The same key at its default, and the options that do read it, still pass; in a
+sweep's job a key its option does not read is another job's, and passes.
 
 The table goes through what ``decent-train`` runs before any worker (``check_like_the_cli``: Hydra's compose,
 ``check_config``, the preflight, the CLI's one line); the slow tests run the command itself: every refusal at once
@@ -15,10 +16,11 @@ import json
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 import decent_train as package
 from decent_train.components.models import build_model
-from decent_train.config import check_config
+from decent_train.config import RESOLVED_CONFIG, check_config
 
 from .jobs import check_succeeded, decent_train, records, start
 from .test_cli_fuzz import check_like_the_cli
@@ -106,6 +108,25 @@ ACCEPTED = {  # the neighbours: the same key at its default, or under the option
 }
 
 
+# What a run of its own length never reaches: refused in a sweep's job too. The rest are keys that the job's option
+# does not read, which in a sweep are the other jobs' (``-m algorithm=decentralized,allreduce topology=one-peer-exp``).
+MISSED_BY_THE_JOB = {"warmup longer than the run", "warmup as long as the run", "warmup epochs as long as the run",
+                     "diloco shorter than its period", "localsgd shorter than its period",
+                     "streaming diloco that never syncs a fragment", "a resume shorter than the period"}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_in_a_sweep_a_key_other_jobs_read_is_theirs(case: str) -> None:
+    """A sweep's options are shared by jobs whose options differ: a key only some of them read passes in the others
+    (as ``++algorithm.KEY`` does), and what the job itself would miss is still refused, in the same words."""
+    overrides, expected = REFUSED[case]
+    line = check_like_the_cli([*overrides, "run.job_num=1"])  # what the launcher sets in a sweep's job
+    if case in MISSED_BY_THE_JOB:
+        assert line is not None and all(fragment in line for fragment in expected), line
+    else:
+        assert line is None, line
+
+
 @pytest.mark.parametrize("case", REFUSED)
 def test_an_ignored_option_is_refused_in_one_line(case: str) -> None:
     overrides, expected = REFUSED[case]
@@ -170,6 +191,23 @@ def test_the_command_refuses_it_before_any_worker(case: str, refused_runs: dict)
     assert line.startswith("decent-train: error: ")
     assert all(fragment in line for fragment in REFUSED[case][1]), line
     assert not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_a_sweep_compares_allreduce_with_gossip_over_a_topology(tmp_path: Path) -> None:
+    """The README's side-by-side comparison on a job with its own topology: both jobs pass (dry runs: the checks
+    the launcher and the workers run), and one job alone with the same options is still refused."""
+    sweep = tmp_path / "sweep"
+    proc = decent_train("-m", "algorithm=decentralized,allreduce", "topology=one-peer-exp", "dry_run=true",
+                        f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    check_succeeded(proc)
+    assert proc.stdout.count("dry run: nothing trained") == 2, proc.stdout
+    assert "all-reduce (torch DDP)" in proc.stdout and "one-peer-exp" in proc.stdout
+    for job in ("0", "1"):
+        check_config_of_a_worker = check_config(OmegaConf.load(sweep / job / RESOLVED_CONFIG))
+        assert check_config_of_a_worker.topology.name == "one-peer-exp"
+    alone = decent_train("algorithm=allreduce", "topology=one-peer-exp", "dry_run=true", cwd=tmp_path)
+    assert alone.returncode == 2 and "topology=one-peer-exp with algorithm=allreduce" in alone.stderr
 
 
 @pytest.mark.slow

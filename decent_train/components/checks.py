@@ -5,7 +5,8 @@ A key set away from its default where the option in force ignores it would chang
 in one line naming the key, the option and what reads it, before any worker starts (the standard: docs/cli.md#errors).
 A key left at its default is never refused, so a recipe or a sweep that does not set it keeps working. A run already
 written is read back (``load_model``) under :func:`as_written`, where these refusals do not apply: a run that started
-before they existed still loads.
+before they existed still loads. A sweep's job is checked under :func:`as_sweep_job`: a key its option does not read
+is another job's.
 """
 
 from __future__ import annotations
@@ -16,22 +17,40 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 _AS_WRITTEN = contextvars.ContextVar("as_written", default=False)
+_SWEEP_JOB = contextvars.ContextVar("sweep_job", default=False)
 
 
 @contextlib.contextmanager
-def as_written() -> Iterator[None]:
-    """Check the config of a run already written: options it ignored pass (:func:`refusing_ignored` is false), every
-    other check applies."""
-    token = _AS_WRITTEN.set(True)
+def _while(flag: contextvars.ContextVar[bool]) -> Iterator[None]:
+    token = flag.set(True)
     try:
         yield
     finally:
-        _AS_WRITTEN.reset(token)
+        flag.reset(token)
+
+
+def as_written() -> contextlib.AbstractContextManager[None]:
+    """Check the config of a run already written: options it ignored pass (:func:`refusing_ignored` is false), every
+    other check applies."""
+    return _while(_AS_WRITTEN)
+
+
+def as_sweep_job() -> contextlib.AbstractContextManager[None]:
+    """Check one job of a sweep (``-m``): its options are the sweep's, shared by jobs whose options differ, so a key
+    that only some of them read (``-m algorithm=decentralized,allreduce topology=one-peer-exp``, ``-m
+    compression=none,int8 compression.int8_block=64``) is theirs, and passes in the others (:func:`refusing_unread`
+    is false), as ``++algorithm.KEY`` does; what the job itself would miss (a warmup as long as its run) is refused."""
+    return _while(_SWEEP_JOB)
 
 
 def refusing_ignored() -> bool:
     """Whether an option the run would ignore is refused: always, but for a run already written (:func:`as_written`)."""
     return not _AS_WRITTEN.get()
+
+
+def refusing_unread() -> bool:
+    """Whether a key the chosen option never reads is refused: not for a run already written, nor in a sweep's job."""
+    return refusing_ignored() and not _SWEEP_JOB.get()
 
 
 def engine_check(key: str, value: Any, check: Callable[[], object]) -> None:
@@ -46,7 +65,7 @@ def engine_check(key: str, value: Any, check: Callable[[], object]) -> None:
 def refuse_unread(group: str, config: Any, readers: dict[str, tuple[str, ...]]) -> None:
     """Refuse a key of ``config`` (the dataclass of ``conf/<group>/``, its option in ``config.name``) that differs
     from its schema's default while the option is not among those that read it (``readers``: key -> options)."""
-    if not refusing_ignored():
+    if not refusing_unread():
         return
     for key, options in readers.items():
         value, default = getattr(config, key), type(config).__dataclass_fields__[key].default

@@ -8,7 +8,7 @@ from functools import partial
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
-from decent_train.components.checks import refuse_unread, refusing_ignored
+from decent_train.components.checks import refuse_unread, refusing_unread
 from decent_train.engine.optimizers import (
     LRSchedulerFn,
     OptimFn,
@@ -87,7 +87,7 @@ class SchedulerConfig:
         if not 0.0 < self.warmup_start <= 1.0:
             raise ValueError(f"scheduler.warmup_start={self.warmup_start} must be in (0, 1]")
         refuse_unread("scheduler", self, SCHEDULER_READERS)
-        if refusing_ignored():
+        if refusing_unread():
             self._check_warmup_keys()
 
     def _check_warmup_keys(self) -> None:
