@@ -22,7 +22,7 @@ def main() -> None:
         if interrupt.RECEIVED:  # raised during the import, and swallowed there
             interrupt.exit_stopped(interrupt.RECEIVED[0])
         run()
-    except (KeyboardInterrupt, Exception) as error:
+    except (KeyboardInterrupt, interrupt.Stopped, Exception) as error:
         sig = interrupt.stop_signal(error)
         if sig is None:
             raise

@@ -16,13 +16,20 @@ from typing import NoReturn
 RECEIVED: list[signal.Signals] = []  # every stop signal these handlers took, in order
 
 
-class Stopped(Exception):
+class Stopped(BaseException):
     """Raised by the handler of SIGTERM and SIGUSR1 (SIGINT's raises KeyboardInterrupt), wherever the command is then;
-    ``sigval`` as torch's SignalException names it."""
+    ``sigval`` as torch's SignalException names it. Not an Exception, as KeyboardInterrupt is not: no ``except
+    Exception`` takes it for an error (Hydra's, around a sweep's job, would record it as the job's failure and start
+    the next job)."""
 
     def __init__(self, sig: signal.Signals) -> None:
         super().__init__(f"got {sig.name}")
         self.sigval = sig
+
+
+def exception(sig: signal.Signals) -> BaseException:
+    """What the handler of ``sig`` raises."""
+    return KeyboardInterrupt() if sig == signal.SIGINT else Stopped(sig)
 
 
 def install() -> None:
@@ -35,7 +42,7 @@ def install() -> None:
 def _raise(signum: int, frame: FrameType | None) -> None:
     sig = signal.Signals(signum)
     RECEIVED.append(sig)
-    raise KeyboardInterrupt if sig == signal.SIGINT else Stopped(sig)
+    raise exception(sig)
 
 
 def stop_signal(error: BaseException | None) -> signal.Signals | None:

@@ -112,11 +112,15 @@ def _run_job(cfg: DictConfig) -> float | None:
 
     The user's mistakes end the job here, with one line; raising them would make Hydra print more around it.
     """
+    _note_sweep()
     try:
         return _check_and_launch(cfg)
     except Exception as error:  # noqa: BLE001 - sorted into the user's mistakes and our bugs by describe_error
+        sig = interrupt.stop_signal(error)
+        if sig is not None:  # an error in a stop's wake: the stop, which Hydra must not record as this job's failure
+            raise interrupt.exception(sig) from None
         message = describe_error(error)
-        if message is None or interrupt.RECEIVED:  # a bug, or a stop signal's doing: cli.main says which
+        if message is None:
             raise
         if isinstance(error, WorkerFailure):
             if error.traceback:
@@ -260,20 +264,49 @@ def complete_result(path: Path, wall: float, changes: list[dict[str, Any]] | Non
 
 
 def _exit_stopped(cfg: TrainConfig, run_dir: Path, sig: signal.Signals) -> None:
-    """One line on how the run stopped and how to go on; exit :data:`EXIT_STOPPED` when every worker saved at the
-    step they agreed on, 128 + the signal's number when they were killed before (a second Ctrl-C)."""
+    """One line on how the run stopped and how to go on (in a sweep: with all of it, :func:`_note_sweep`); exit
+    :data:`EXIT_STOPPED` when every worker saved at the step they agreed on, 128 + the signal's number when they were
+    killed before (a second Ctrl-C)."""
     stop = Stop.read(run_dir)
+    sweep = f", in job {cfg.run.job_num} of a sweep; {_go_on_with_the_sweep()}" if _sweep_go_on else ""
     if stop is None:
         kept = complete_checkpoints(run_dir)
         since = f"the newest checkpoint is {kept[0].path}" if kept else "no checkpoint was written"
-        print(f"decent-train: stopped by {sig.name} at once, without a checkpoint of its own ({since})",
+        print(f"decent-train: stopped by {sig.name} at once, without a checkpoint of its own ({since}){sweep}",
               file=sys.stderr, flush=True)
         raise SystemExit(128 + int(sig))
-    kept_overrides = [o for o in cfg.run.overrides if not o.lstrip("+~").startswith(("hydra.", "resume="))]
-    again = format_command(["decent-train", f"resume={run_dir}", *kept_overrides])
+    if not sweep:
+        kept_overrides = [o for o in cfg.run.overrides if not o.lstrip("+~").startswith(("hydra.", "resume="))]
+        sweep = "; to go on: " + format_command(["decent-train", f"resume={run_dir}", *kept_overrides])
     print(f"decent-train: stopped by {sig.name} at step {stop.step} of {stop.total_steps} with a checkpoint "
-          f"({stop.checkpoint}); to go on: {again}", file=sys.stderr, flush=True)
+          f"({stop.checkpoint}){sweep}", file=sys.stderr, flush=True)
     raise SystemExit(EXIT_STOPPED)
+
+
+COMMAND_LINE: list[str] = []  # the words after decent-train, as given (run() keeps them; a sweep's lists are in them)
+_sweep_go_on: list[str] = []  # in a sweep that a stop ends: the command that goes on with it (_note_sweep)
+
+
+def _note_sweep() -> None:
+    """At each job's start, in a sweep that a stop ends (Hydra's own sweeper and launcher: a grid, one job after
+    another in this process; a SLURM sweep's jobs are processes of their own, each stopped and requeued alone): the
+    command that goes on with it, its own command line into its directory. Run again there, a sweep has the same jobs
+    in the same run directories, and a launch into a run directory that holds checkpoints continues them (with the
+    same settings: preflight.check_continuation): a stopped job from its newest checkpoint, a finished one from its
+    final checkpoint (written whatever ``checkpoint.every``: only evaluated again), a job not begun from step 0."""
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN or not COMMAND_LINE or not (
+            str(hydra_cfg.launcher.get("_target_")).endswith(".BasicLauncher")
+            and str(hydra_cfg.sweeper.get("_target_")).endswith(".BasicSweeper")):
+        return
+    words = [w for w in COMMAND_LINE if not w.lstrip("+").startswith("hydra.sweep.dir=")]
+    sweep_dir = Path(hydra_cfg.sweep.dir).resolve()
+    _sweep_go_on[:] = [format_command(["decent-train", *words, f"hydra.sweep.dir={sweep_dir}"])]
+
+
+def _go_on_with_the_sweep() -> str:
+    return ("to go on with the sweep (its jobs continue from their newest checkpoints, the finished ones are only "
+            f"evaluated again): {_sweep_go_on[0]}")
 
 
 def _print_dry_run(cfg: TrainConfig, config_path: Path) -> None:
@@ -432,6 +465,7 @@ def _exit_with(message: str, status: int) -> None:
 def run() -> None:
     """The command, once ``cli.main`` has set the stop signals' handlers (interrupt.py): errors in the user's input end
     in one line on stderr and exit status 2; a stop signal goes on to ``cli.main``, which says so in one line."""
+    COMMAND_LINE[:] = sys.argv[1:]
     full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # make Hydra raise, so we can say what is wrong in one line
     logger.enable("decent_train")  # the package is silent as a library (decent_train/__init__.py), not as a command
@@ -443,9 +477,14 @@ def run() -> None:
     sys.argv = with_recipes(sys.argv)
     try:
         _run_job()
-    except Exception as error:  # noqa: BLE001 - composition errors (unknown key or option, bad type) end here
-        message = None if full_error else describe_error(error)
-        if message is None or interrupt.RECEIVED:
+    except (KeyboardInterrupt, interrupt.Stopped, Exception) as error:  # noqa: BLE001 - composition errors end here
+        sig = interrupt.stop_signal(error)
+        if sig is not None and _sweep_go_on:  # a stop outside a job's workers (before them, after, between jobs)
+            print(f"decent-train: stopped by {sig.name} in a sweep, while no job trained (no checkpoint was written "
+                  f"at this stop); {_go_on_with_the_sweep()}", file=sys.stderr, flush=True)
+            raise SystemExit(128 + int(sig)) from None
+        message = None if full_error or sig is not None else describe_error(error)
+        if message is None:  # a bug, or a stop (cli.main says so)
             raise
         _exit_with(message, 1 if isinstance(error, JobFailed) else 2)  # a SLURM job's failure, already checked
     finally:
