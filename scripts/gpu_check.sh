@@ -46,12 +46,12 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 
-if ! "$PYTHON" -c 'import decent_train.launcher.cli' >/dev/null 2>&1; then
+if ! "$PYTHON" -c 'import decent_train.launcher.job' >/dev/null 2>&1; then
     echo "gpu_check: decent_train does not import; pip install -e ."
     if ! "$PYTHON" -m pip install -e .; then
         echo "gpu_check: pip install -e . failed; decent_train does not import (on a machine without an index, carry" \
             "the wheels of scripts/gpu_wheels.sh):" >&2
-        "$PYTHON" -c 'import decent_train.launcher.cli' >&2
+        "$PYTHON" -c 'import decent_train.launcher.job' >&2
         exit 1
     fi
 fi

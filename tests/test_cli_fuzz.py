@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import decent_train.algorithms  # noqa: F401  (registers diloco and localsgd)
 from decent_train.config import ALGORITHM_TRAITS, TrainConfig, check_config
-from decent_train.launcher.cli import describe_error, shipped_dir
+from decent_train.launcher.job import describe_error, shipped_dir
 from decent_train.launcher.preflight import preflight
 
 CONF = Path(shipped_dir("conf"))

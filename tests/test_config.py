@@ -28,7 +28,7 @@ from decent_train.config import (
     load_config,
     register_algorithm,
 )
-from decent_train.launcher.cli import describe_error, shipped_dir
+from decent_train.launcher.job import describe_error, shipped_dir
 from decent_train.algorithms.local_steps_algorithms import DiLoCoConfig
 from decent_train.components.data import DatasetConfig, build_datasets
 from decent_train.components.models import ModelConfig, build_model

@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from decent_train.config import LaunchConfig, check_config, node_range
-from decent_train.launcher.cli import shipped_dir
+from decent_train.launcher.job import shipped_dir
 from decent_train.launcher.launch import torchrun_command
 
 from .jobs import COMMAND, check_succeeded

@@ -17,7 +17,7 @@ import decent_train.algorithms  # noqa: F401  (registers diloco and localsgd)
 from decent_train.config import ALGORITHM_TRAITS, TrainConfig
 from decent_train.launcher import help as help_module
 from decent_train.components.launch import LaunchConfig
-from decent_train.launcher.cli import _workers, shipped_dir
+from decent_train.launcher.job import _workers, shipped_dir
 
 from .jobs import COMMAND
 from .test_cli_fuzz import check_like_the_cli

@@ -20,7 +20,7 @@ import decent_train
 from decent_train.components.data import build_datasets
 from decent_train.components.models import build_model
 from decent_train.config import MODEL_FILE, RESOLVED_CONFIG, RESULT_FILE, TrainConfig, check_config
-from decent_train.launcher.cli import shipped_dir
+from decent_train.launcher.job import shipped_dir
 from decent_train.training.saved_model import TrainedModel, model_shape, save_model
 
 from .distributed import run_workers

@@ -12,7 +12,7 @@ import json
 import multiprocessing
 from pathlib import Path
 
-from decent_train.launcher.cli import complete_result
+from decent_train.launcher.job import complete_result
 
 ROUNDS = 150
 RANK0 = {"eval/accuracy": 0.97, "steps": 1200, "padding": "x" * 200_000}  # a write long enough to be seen mid-way

@@ -29,16 +29,5 @@ def main() -> None:
         interrupt.exit_stopped(sig)
 
 
-def __getattr__(name: str) -> object:
-    """The command's other names (``describe_error``, ``shipped_dir``, ...), from ``job.py``, where they moved to: code
-    that imports them from here keeps working. Dunders are probes, answered without importing it."""
-    if not name.startswith("__"):
-        from decent_train.launcher import job
-
-        if hasattr(job, name):
-            return getattr(job, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 if __name__ == "__main__":
     main()
