@@ -15,7 +15,7 @@ import pytest
 from decent_train.config import LaunchConfig
 from decent_train.launcher.launch import check_rendezvous_endpoint, torchrun_command
 
-from .jobs import decent_train
+from .jobs import decent_train, start, worker_pids
 
 
 @pytest.fixture
@@ -52,6 +52,8 @@ def test_a_foreign_service_at_the_endpoint_fails_in_one_line_within_the_store_ti
     elapsed = time.monotonic() - start
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
+    assert not [line for line in proc.stderr.splitlines() if "frame #" in line or line.startswith(("[W", "[E"))], (
+        proc.stderr)  # torch's C++ retries, each with its stack, before the line
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"decent-train: error: launch.rdzv_endpoint={endpoint}: no rendezvous store answered"), last
     assert "launch.rdzv_store_timeout_s=2 s" in last, last
@@ -83,3 +85,24 @@ def test_torchrun_command_carries_the_store_timeout(tmp_path: Path) -> None:
     assert "read_timeout=7" in conf.split("=", 1)[1].split(","), conf
     default = LaunchConfig(nnodes=2, rdzv_endpoint="node1:29400", rdzv_id="j")
     assert not any(a.startswith("--rdzv-conf=") for a in torchrun_command(default, tmp_path / "c.yaml"))
+
+
+@pytest.mark.slow
+def test_the_workers_keep_torchs_cpp_messages(tmp_path: Path) -> None:
+    """The launcher silences torch's C++ log for itself only: a worker's environment holds no
+    ``TORCH_CPP_LOG_LEVEL`` unless the user's did (their NCCL and gloo warnings are theirs to see)."""
+    for users in (None, "INFO"):
+        run_dir = tmp_path / f"run-{users}"
+        proc = start("launch.nproc_per_node=1", "steps=100000", "logger=jsonl", f"hydra.run.dir={run_dir}",
+                     cwd=tmp_path, env={"TORCH_CPP_LOG_LEVEL": users} if users else None)
+        try:
+            deadline = time.monotonic() + 120
+            while not (pids := worker_pids(run_dir)) and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.1)
+            assert pids, proc.communicate()[1] if proc.poll() is not None else "no worker within 120 s"
+            environ = (Path("/proc") / str(pids[0]) / "environ").read_bytes().split(b"\0")
+            levels = [item for item in environ if item.startswith(b"TORCH_CPP_LOG_LEVEL=")]
+            assert levels == ([f"TORCH_CPP_LOG_LEVEL={users}".encode()] if users else []), levels
+        finally:
+            proc.kill()
+            proc.communicate()

@@ -9,6 +9,10 @@ interpreter starts (tests/test_startup_interrupt.py).
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
+
 from decent_train.launcher import interrupt
 
 
@@ -17,7 +21,8 @@ def main() -> None:
     signal before the workers start (they have their own handling: launch.py) in one line and 128 + its number."""
     interrupt.install()  # first: before the slow import
     try:
-        from decent_train.launcher.job import run
+        with _quiet_cpp_log():
+            from decent_train.launcher.job import run
 
         if interrupt.RECEIVED:  # raised during the import, and swallowed there
             interrupt.exit_stopped(interrupt.RECEIVED[0])
@@ -27,6 +32,22 @@ def main() -> None:
         if sig is None:
             raise
         interrupt.exit_stopped(sig)
+
+
+@contextlib.contextmanager
+def _quiet_cpp_log() -> Iterator[None]:
+    """torch's C++ messages off in this process, unless ``TORCH_CPP_LOG_LEVEL`` says otherwise: the rendezvous
+    store's client prints a warning with a C++ stack for each retry at an endpoint that does not answer, before the
+    command's own line says so (launch.py). torch reads the level once, as it is imported; the variable is gone again
+    before any worker starts, so the workers log as the user's environment says."""
+    if "TORCH_CPP_LOG_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    try:
+        yield
+    finally:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 
 if __name__ == "__main__":
