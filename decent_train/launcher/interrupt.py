@@ -45,6 +45,15 @@ def _raise(signum: int, frame: FrameType | None) -> None:
     raise exception(sig)
 
 
+def raise_if_received() -> None:
+    """Raise the stop these handlers took, if any, where the command is about to start something that takes long
+    (a sweep's next job, the workers). The exception a handler raises can be swallowed where it lands: torch's import
+    does, in numpy's; so does any finalizer or weakref callback that the garbage collector runs (Python prints
+    "Exception ignored" and goes on), and a job ran to the end after its Ctrl-C (a sweep's, once in the CI's run)."""
+    if RECEIVED:
+        raise exception(RECEIVED[0])
+
+
 def stop_signal(error: BaseException | None) -> signal.Signals | None:
     """The stop signal that ended the command with ``error`` (None: it went on). Its own, or, for any other error, the
     first that came: a library may swallow the exception and go on (torch's import does, in numpy's), or fail in its

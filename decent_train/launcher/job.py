@@ -113,6 +113,7 @@ def _run_job(cfg: DictConfig) -> float | None:
     The user's mistakes end the job here, with one line; raising them would make Hydra print more around it.
     """
     _note_sweep()
+    interrupt.raise_if_received()  # one a library swallowed between two jobs of a sweep
     try:
         return _check_and_launch(cfg)
     except Exception as error:  # noqa: BLE001 - sorted into the user's mistakes and our bugs by describe_error
@@ -217,6 +218,7 @@ def _train(cfg: TrainConfig, run_dir: Path, config_path: Path) -> float:
     prepare_data(cfg.dataset)  # a download happens once, here, not in every worker
     changes = None
     (run_dir / STOP_FILE).unlink(missing_ok=True)  # an earlier launch's, into the same directory
+    interrupt.raise_if_received()  # a stop that a library swallowed since (a finalizer, an import) still ends it here
     try:  # a signal: the workers stop at a step they agree on, with a checkpoint (training/stop.py)
         if cfg.fault_tolerance.live:
             changes, received = run_supervised(cfg, config_path, run_dir)
