@@ -132,3 +132,30 @@ def test_ctrl_c_that_torchs_import_swallows_still_stops(tmp_path: Path) -> None:
                           env={**os.environ, "SENT_FILE": str(sent)})
     assert sent.exists(), f"torch no longer imports numpy from its C extension: the moment is gone\n{proc.stderr}"
     check_stopped(proc, signal.SIGINT)
+
+
+SWALLOWING = '''"""A user's module that takes a Ctrl-C and goes on, as torch's import does when one lands in numpy's."""
+import os
+import signal
+
+try:
+    os.kill(os.getpid(), signal.SIGINT)  # the handler runs at the next bytecode, inside this try
+    for _ in range(1000):
+        pass
+except KeyboardInterrupt:
+    pass
+'''
+
+
+def test_a_stop_that_a_library_swallowed_still_ends_the_command(tmp_path: Path) -> None:
+    """A real SIGINT, taken by the launcher's handler while the launcher imports ``topology.module`` (its checks),
+    whose exception that module swallows: the command still stops before any worker starts, in one line, exit 130.
+    Before, the job trained to the end and exited 0 (a sweep's job did so once in CI)."""
+    (tmp_path / "swallowing.py").write_text(SWALLOWING)
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([str(COMMAND), "topology.module=swallowing", "launch.nproc_per_node=2", "model=mlp",
+                           "steps=50", "logger=jsonl", f"hydra.run.dir={run_dir}"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=TIMEOUT_S, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert proc.returncode == 128 + signal.SIGINT and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[-1] == STOPPED.format("SIGINT"), proc.stderr
+    assert not (run_dir / "logs").exists()  # no worker started
