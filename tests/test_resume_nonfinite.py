@@ -16,6 +16,7 @@ import hashlib
 import json
 import re
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -236,3 +237,34 @@ def test_the_scan_names_the_first_non_finite_tensor_of_every_floating_dtype(dtyp
     assert nonfinite_tensor({**finite, "opt": [torch.zeros(2, dtype=dtype), {"m": bad}]}) == ("opt.1.m", "NaN")
     if dtype != torch.float8_e4m3fn:
         assert nonfinite_tensor({"x": torch.tensor([float("-inf")]).to(dtype)}) == ("x", "inf")
+
+
+def test_the_launchers_check_names_the_lowest_bad_rank_when_a_later_one_is_found_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``verify_checkpoint`` checks the ranks in threads; its line is still the lowest bad rank's, as when it checked
+    them one after another. Four hand-made rank files: rank 0's holds NaN (found after its hash), rank 2's does not
+    match the manifest; rank 0's hash waits until rank 2's is done, so rank 2's problem is found first."""
+    from decent_train.components import checkpoint as module
+
+    ranks = []
+    for rank in range(4):
+        path = tmp_path / f"rank{rank}.pt"
+        torch.save({"model": {"w": torch.full((4,), float("nan") if rank == 0 else 1.0)}}, path)
+        sha256, size = module._checksum(path)
+        ranks.append({"file": path.name, "sha256": sha256 if rank != 2 else "0" * 64, "bytes": size})
+    rank2_hashed, checksum = threading.Event(), module._checksum
+
+    def rank0_after_rank2(path: Path) -> tuple[str, int]:
+        if path.name == "rank0.pt":
+            rank2_hashed.wait(timeout=10)  # checked one at a time, rank 2 never comes first: go on after the wait
+        found = checksum(path)
+        if path.name == "rank2.pt":
+            rank2_hashed.set()
+        return found
+
+    monkeypatch.setattr(module, "_checksum", rank0_after_rank2)
+    monkeypatch.setattr(module, "VERIFY_THREADS", 4)
+    why = module.verify_checkpoint(module.Checkpoint(tmp_path, {"step": 3, "world_size": 4, "ranks": ranks}))
+    assert rank2_hashed.is_set()  # rank 2's problem was there before rank 0's: the order was not a given
+    assert why == f"{tmp_path / 'rank0.pt'} holds NaN in model.w"

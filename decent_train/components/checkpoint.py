@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Optional
@@ -41,6 +42,7 @@ from decent_train.engine.comm import peers_must_answer
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 RESTARTED_BY_AVERAGE = ("compression",)  # settings whose state an averaged resume rebuilds (compression.int8_block)
+VERIFY_THREADS = min(8, os.cpu_count() or 1)  # ranks verify_checkpoint checks at once (a node's GPUs' worth at most)
 
 
 @dataclass
@@ -221,17 +223,29 @@ def _manifest_problem(manifest: Any) -> str:
 
 def verify_checkpoint(checkpoint: Checkpoint) -> str:
     """Why one of ``checkpoint``'s files (any rank's, DCP shards included) does not match its manifest, or a rank's
-    file holds NaN or inf, the first found; empty if neither. The launcher's check before any worker starts (it hashes
-    every file, then maps each rank's file to scan its tensors: never a whole state in memory): a resume that would
-    find nothing it can train from stops there, in one line, instead of in every worker."""
-    for entry in checkpoint.manifest["ranks"]:
-        why = _check_files(checkpoint, [entry, *entry.get("sharded", [])])
-        if not why:
-            path = checkpoint.path / entry["file"]
-            why = _nonfinite_file(path, torch.load(path, map_location="cpu", weights_only=True, mmap=True))
-        if why:
-            return why
+    file holds NaN or inf, the first found (the lowest rank's); empty if neither. The launcher's check before any
+    worker starts (it hashes every file, then maps each rank's file to scan its tensors: never a whole state in
+    memory): a resume that would find nothing it can train from stops there, in one line, instead of in every worker.
+    The ranks are checked in up to ``VERIFY_THREADS`` threads: hashing is single-core bound and hashlib releases the
+    GIL, so a node's cores (and a disk's queue) share the work every start and requeue waits for."""
+    ranks = checkpoint.manifest["ranks"]
+    pool = ThreadPoolExecutor(max(1, min(len(ranks), VERIFY_THREADS)), thread_name_prefix="verify_checkpoint")
+    try:
+        for why in pool.map(lambda entry: _verify_rank(checkpoint, entry), ranks):  # in rank order
+            if why:
+                return why
+    finally:
+        pool.shutdown(cancel_futures=True)  # after a bad rank (or a Ctrl-C) those running finish, no other starts
     return ""
+
+
+def _verify_rank(checkpoint: Checkpoint, entry: dict[str, Any]) -> str:
+    """``verify_checkpoint`` for one rank's manifest ``entry``: its files' checksums, then its tensors (mapped)."""
+    why = _check_files(checkpoint, [entry, *entry.get("sharded", [])])
+    if not why:
+        path = checkpoint.path / entry["file"]
+        why = _nonfinite_file(path, torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+    return why
 
 
 class NonFiniteState(RuntimeError):
