@@ -37,7 +37,13 @@ def make_cfg(run_dir: Path, **overrides: Any) -> TrainConfig:
         "run": {"output_dir": str(run_dir)},
     }
     for key, value in overrides.items():
-        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
+        base = cfg.get(key, {})
+        # another model or optimizer: the keys only the MLP or AccumAdamW reads go (they would be refused as unread)
+        if key == "model" and value.get("name", "mlp") != "mlp":
+            base = {}
+        if key == "optim" and not value.get("name", "accum_").startswith("accum_"):
+            base = {k: v for k, v in base.items() if k != "accum_iter"}
+        cfg[key] = {**base, **value} if isinstance(value, dict) else value
     return check_config(cfg)
 
 

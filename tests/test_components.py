@@ -67,7 +67,8 @@ def test_malformed_npz_names_file_and_layout(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name,shape", [("mlp", (64,)), ("mlp", (1, 8, 8)), ("cnn", (1, 8, 8)), ("cnn", (3, 32, 32))])
 def test_models_map_inputs_to_class_scores(name: str, shape: tuple[int, ...]) -> None:
-    model = build_model(ModelConfig(name=name, hidden_sizes=[16], channels=[4, 8]), shape, 7)
+    size = {"hidden_sizes": [16]} if name == "mlp" else {"channels": [4, 8]}
+    model = build_model(ModelConfig(name=name, **size), shape, 7)
     assert model(torch.randn(5, *shape)).shape == (5, 7)
 
 

@@ -20,12 +20,21 @@ from omegaconf import OmegaConf
 
 import decent_train as package
 from decent_train.components.models import build_model
+from decent_train.components import compression, data, models
+from decent_train.components.compression import CompressionConfig
+from decent_train.components.data import DatasetConfig
+from decent_train.components.launch import FAULT_TOLERANCE_READERS, FaultToleranceConfig
+from decent_train.components.models import ModelConfig
+from decent_train.components.optim import OPTIM_READERS, SCHEDULER_READERS, OptimConfig, SchedulerConfig
 from decent_train.config import RESOLVED_CONFIG, check_config
+from decent_train.launcher.help import field_docs, group_options, split_conditions
 
+from .datafiles import write_cifar
 from .jobs import check_succeeded, decent_train, records, start
-from .test_cli_fuzz import check_like_the_cli
+from .test_cli_fuzz import CONF, check_like_the_cli
 from .test_load_model import _write_run
 
+CIFAR = "CIFAR_DIR"  # stands for a directory with CIFAR-10's files (``with_data``)
 REFUSED = {  # overrides -> what the one line must hold
     "allreduce with a topology": (["algorithm=allreduce", "topology=one-peer-exp"], [
         "topology=one-peer-exp with algorithm=allreduce", "does not gossip", "leave topology=ring"]),
@@ -74,6 +83,44 @@ REFUSED = {  # overrides -> what the one line must hold
     # steps counts the whole run, a resumed one too: the check comes before the resume's checkpoint is read
     "a resume shorter than the period": (["algorithm=diloco", "steps=5", "resume=/no/such/run"], [
         "algorithm.sync_every=10 with steps=5"]),
+    "adam with accum_iter": (["optim=adam", "optim.accum_iter=8"], [
+        "optim.accum_iter=8 with optim=adam", "use optim=accum_adamw|accum_adam", "leave optim.accum_iter=4"]),
+    "sgd with a beta": (["optim=sgd", "optim.beta2=0.95"], [
+        "optim.beta2=0.95 with optim=sgd", "use optim=accum_adamw|accum_adam|adamw|adam", "leave optim.beta2=0.999"]),
+    "adamw with momentum": (["optim=adamw", "optim.momentum=0.5"], [
+        "optim.momentum=0.5 with optim=adamw", "use optim=sgd", "leave optim.momentum=0.9"]),
+    "accum_adamw with nesterov": (["optim.nesterov=true"], [
+        "optim.nesterov=True with optim=accum_adamw", "use optim=sgd", "leave optim.nesterov=False"]),
+    "a resnet with dropout": (["model=resnet18", "model.dropout=0.1"], [
+        "model.dropout=0.1 with model=resnet18", "use model=mlp|cnn|gpt2", "leave model.dropout=0.0"]),
+    "a cnn with a transformer's depth": (["model=cnn", "model.layers=2"], [
+        "model.layers=2 with model=cnn", "use model=gpt2", "leave model.layers=12"]),
+    "an mlp with channels": (["model=mlp", "model.channels=[8]"], [
+        "model.channels=[8] with model=mlp", "use model=cnn", "leave model.channels=[32, 64]"]),
+    "digits with a synthetic size": (["dataset.num_samples=100"], [
+        "dataset.num_samples=100 with dataset=digits", "use dataset=synthetic", "leave dataset.num_samples=8192"]),
+    "synthetic with a test fraction": (["dataset=synthetic", "dataset.test_fraction=0.5"], [
+        "dataset.test_fraction=0.5 with dataset=synthetic", "use dataset=digits"]),
+    "digits with a data directory": (["dataset.root=/data"], [
+        "dataset.root=/data with dataset=digits", "use dataset=npz|cifar10|cifar100|imagefolder|tokens"]),
+    "cifar with an image size": (["dataset=cifar10", f"dataset.root={CIFAR}", "dataset.image_size=64"], [
+        "dataset.image_size=64 with dataset=cifar10", "use dataset=imagefolder", "leave dataset.image_size=224"]),
+    "an iid split of cifar with a seed": (["dataset=cifar10", f"dataset.root={CIFAR}", "dataset.split_seed=3"], [
+        "dataset.split_seed=3 with dataset=cifar10", "leave dataset.split_seed=0"]),
+    "shards with dirichlet's alpha": (["dataset.partition=shards", "dataset.alpha=0.1"], [
+        "dataset.alpha=0.1 with dataset.partition=shards", "use dataset.partition=dirichlet", "leave dataset.alpha=0.5"]),
+    "iid with classes per worker": (["dataset.classes_per_worker=3"], [
+        "dataset.classes_per_worker=3 with dataset.partition=iid", "use dataset.partition=classes"]),
+    "no fault tolerance with a detection time": (["fault_tolerance.detect_s=5"], [
+        "fault_tolerance.detect_s=5.0 with fault_tolerance=none", "use fault_tolerance=live",
+        "leave fault_tolerance.detect_s=10.0"]),
+    "no fault tolerance with a minimum": (["fault_tolerance.min_workers=2"], [
+        "fault_tolerance.min_workers=2 with fault_tolerance=none", "use fault_tolerance=live"]),
+    "no wandb with a project": (["logger=jsonl", "logger.wandb.project=mine"], [
+        "logger.wandb.project=mine with logger.wandb.mode=disabled", "use logger.wandb.mode=offline|online",
+        "leave logger.wandb.project=decent-train"]),
+    "no consensus with its samples": (["logger.consensus_every=0", "logger.consensus_samples=0"], [
+        "logger.consensus_samples=0 with logger.consensus_every=0", "leave logger.consensus_samples=65536"]),
 }
 
 ACCEPTED = {  # the neighbours: the same key at its default, or under the option that reads it
@@ -105,6 +152,22 @@ ACCEPTED = {  # the neighbours: the same key at its default, or under the option
     "streaming diloco that syncs each fragment once": ["algorithm=diloco", "algorithm.sync_every=8",
                                                        "algorithm.fragments=2", "steps=8"],
     "diloco in a run of epochs": ["algorithm=diloco", "algorithm.sync_every=500"],  # left accepted, as the warmup
+    "accum_adamw with its accum_iter": ["optim.accum_iter=8", "optim.beta2=0.95"],
+    "adam with its keys": ["optim=adam", "optim.beta1=0.8", "optim.eps=1e-6", "optim.accum_iter=4"],
+    "sgd with its keys": ["optim=sgd", "optim.momentum=0.5", "optim.nesterov=true", "optim.beta2=0.999"],
+    "an mlp with its keys": ["model=mlp", "model.hidden_sizes=[8]", "model.dropout=0.1", "model.layers=12"],
+    "a resnet with its stem": ["model=resnet18", "model.small_stem=true", "model.dropout=0.0"],
+    "synthetic with its keys": ["dataset=synthetic", "dataset.num_samples=512", "dataset.noise=1.0",
+                                "dataset.split_seed=3", "dataset.test_fraction=0.2"],
+    "digits with its keys": ["dataset.test_fraction=0.5", "dataset.split_seed=3", "dataset.image_size=224"],
+    "dirichlet with its alpha": ["dataset.partition=dirichlet", "dataset.alpha=1.0"],
+    "a fixed partition of cifar with its seed": ["dataset=cifar10", f"dataset.root={CIFAR}", "dataset.partition=shards",
+                                                 "dataset.split_seed=3"],
+    "classes with classes per worker": ["dataset.partition=classes", "dataset.classes_per_worker=5"],
+    "live with its keys": ["fault_tolerance=live", "fault_tolerance.detect_s=5", "fault_tolerance.min_workers=1"],
+    "wandb offline with a project": ["logger.wandb.project=mine", "logger.wandb.tags=[a]"],
+    "no wandb, keys at their defaults": ["logger=jsonl", "logger.wandb.project=decent-train"],
+    "consensus with its samples": ["logger.consensus_samples=0"],
 }
 
 
@@ -115,11 +178,45 @@ MISSED_BY_THE_JOB = {"warmup longer than the run", "warmup as long as the run", 
                      "streaming diloco that never syncs a fragment", "a resume shorter than the period"}
 
 
+READERS = [  # (group, schema, key -> the options that read it, the key that picks them; None: the group's choice)
+    ("optim", OptimConfig, OPTIM_READERS, None), ("scheduler", SchedulerConfig, SCHEDULER_READERS, None),
+    ("model", ModelConfig, models.READERS, None), ("dataset", DatasetConfig, data.READERS, None),
+    ("dataset", DatasetConfig, data.PARTITION_READERS, "partition"),
+    ("compression", CompressionConfig, compression.READERS, None),
+    ("fault_tolerance", FaultToleranceConfig, FAULT_TOLERANCE_READERS, None),
+]
+
+
+@pytest.mark.parametrize("group, schema, readers, selector", READERS, ids=lambda v: v if isinstance(v, str) else "")
+def test_help_shows_a_key_under_the_options_that_read_it(group: str, schema: type, readers: dict[str, tuple[str, ...]],
+                                                         selector: str | None) -> None:
+    """``--help`` lists a key under the options its comment names (``optim.accum_iter`` under accum_adam and
+    accum_adamw only); the refusals name their readers in a table of their own. Both must agree, or the help would
+    show a key that is refused, or hide one that is read."""
+    options = set(group_options(CONF)[group])
+    for key, reading in readers.items():
+        conditions, _ = split_conditions(field_docs(schema)[key], options)
+        assert (selector or "", "=", set(reading)) in conditions, (key, field_docs(schema)[key])
+
+
+@pytest.fixture(scope="module")
+def cifar_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("cifar")
+    write_cifar(root, "cifar10")
+    return root
+
+
+def with_data(case: str, cifar_dir: Path) -> tuple[list[str], list[str]]:
+    """``REFUSED[case]`` with its data directory (the same replacement serves ``ACCEPTED``)."""
+    overrides, expected = REFUSED[case]
+    return [arg.replace(CIFAR, str(cifar_dir)) for arg in overrides], expected
+
+
 @pytest.mark.parametrize("case", REFUSED)
-def test_in_a_sweep_a_key_other_jobs_read_is_theirs(case: str) -> None:
+def test_in_a_sweep_a_key_other_jobs_read_is_theirs(case: str, cifar_dir: Path) -> None:
     """A sweep's options are shared by jobs whose options differ: a key only some of them read passes in the others
     (as ``++algorithm.KEY`` does), and what the job itself would miss is still refused, in the same words."""
-    overrides, expected = REFUSED[case]
+    overrides, expected = with_data(case, cifar_dir)
     line = check_like_the_cli([*overrides, "run.job_num=1"])  # what the launcher sets in a sweep's job
     if case in MISSED_BY_THE_JOB:
         assert line is not None and all(fragment in line for fragment in expected), line
@@ -128,8 +225,8 @@ def test_in_a_sweep_a_key_other_jobs_read_is_theirs(case: str) -> None:
 
 
 @pytest.mark.parametrize("case", REFUSED)
-def test_an_ignored_option_is_refused_in_one_line(case: str) -> None:
-    overrides, expected = REFUSED[case]
+def test_an_ignored_option_is_refused_in_one_line(case: str, cifar_dir: Path) -> None:
+    overrides, expected = with_data(case, cifar_dir)
     line = check_like_the_cli(overrides)
     assert line is not None, f"{overrides} was accepted"
     assert "\n" not in line.strip()
@@ -138,8 +235,8 @@ def test_an_ignored_option_is_refused_in_one_line(case: str) -> None:
 
 
 @pytest.mark.parametrize("case", ACCEPTED)
-def test_its_neighbour_is_accepted(case: str) -> None:
-    assert check_like_the_cli(ACCEPTED[case]) is None
+def test_its_neighbour_is_accepted(case: str, cifar_dir: Path) -> None:
+    assert check_like_the_cli([arg.replace(CIFAR, str(cifar_dir)) for arg in ACCEPTED[case]]) is None
 
 
 def test_a_workers_reload_refuses_the_same() -> None:
@@ -172,14 +269,19 @@ def test_a_run_written_before_the_refusals_still_loads(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def refused_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str, int, Path]]:
-    """Every refused command at once (each costs an interpreter start, not a launch)."""
+def refused_runs(tmp_path_factory: pytest.TempPathFactory, cifar_dir: Path) -> dict[str, tuple[str, str, int, Path]]:
+    """Every refused command, eight at a time (each costs an interpreter start, not a launch)."""
     root = tmp_path_factory.mktemp("ignored")
-    runs = {}
-    for name, (args, _) in REFUSED.items():
-        run_dir = root / name.replace(" ", "_")
-        runs[name] = (start(*args, f"hydra.run.dir={run_dir}", cwd=root), run_dir)
-    return {name: (*proc.communicate(timeout=180), proc.returncode, run_dir) for name, (proc, run_dir) in runs.items()}
+    runs: dict[str, tuple[str, str, int, Path]] = {}
+    names = list(REFUSED)
+    for first in range(0, len(names), 8):
+        started = {}
+        for name in names[first:first + 8]:
+            run_dir = root / name.replace(" ", "_")
+            started[name] = (start(*with_data(name, cifar_dir)[0], f"hydra.run.dir={run_dir}", cwd=root), run_dir)
+        runs |= {name: (*proc.communicate(timeout=180), proc.returncode, run_dir)
+                 for name, (proc, run_dir) in started.items()}
+    return runs
 
 
 @pytest.mark.slow

@@ -209,7 +209,9 @@ def test_a_hot_spare_waits_for_a_node_to_leave(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("overrides", "message"), [
     ({"fault_tolerance": {"name": "live", "role": "worker"}},
      "fault_tolerance.role='worker'; valid: both, coordinator, agent"),
-    ({"fault_tolerance": {"role": "agent"}}, "fault_tolerance.role=agent is live mode's; set fault_tolerance=live"),
+    ({"fault_tolerance": {"role": "agent"}},
+     "fault_tolerance.role=agent with fault_tolerance=none: fault_tolerance=none does not read it; use "
+     "fault_tolerance=live, or leave fault_tolerance.role=both"),
     ({"fault_tolerance": {"name": "live", "role": "agent"}},
      "fault_tolerance=live with fault_tolerance.role=agent: the agents reach the coordinator at launch.rdzv_endpoint"),
     ({"fault_tolerance": {"name": "live", "role": "coordinator"}, "launch": {"rdzv_endpoint": "host:0"}},

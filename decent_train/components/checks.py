@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -62,15 +63,27 @@ def engine_check(key: str, value: Any, check: Callable[[], object]) -> None:
         raise ValueError(f"{key}={value}: {error}") from None
 
 
-def refuse_unread(group: str, config: Any, readers: dict[str, tuple[str, ...]]) -> None:
-    """Refuse a key of ``config`` (the dataclass of ``conf/<group>/``, its option in ``config.name``) that differs
-    from its schema's default while the option is not among those that read it (``readers``: key -> options)."""
+def refuse_unread(
+    group: str, config: Any, readers: dict[str, tuple[str, ...]], selector: str | None = None,
+    option: str | None = None,
+) -> None:
+    """Refuse a key of ``config`` (the dataclass of ``conf/<group>/``) that differs from its schema's default while
+    the option in force is not among those that read it (``readers``: key -> options). The option is ``config.name``,
+    picked by ``<group>=``, unless ``selector`` names the key that picks it (``dataset.partition``) and ``option`` its
+    value."""
     if not refusing_unread():
         return
+    selector, option = selector or group, config.name if option is None else option
     for key, options in readers.items():
-        value, default = getattr(config, key), type(config).__dataclass_fields__[key].default
-        if config.name not in options and value != default:
+        value, default = getattr(config, key), schema_default(config, key)
+        if option not in options and value != default:
             raise ValueError(
-                f"{group}.{key}={value} with {group}={config.name}: {group}={config.name} does not read it; use "
-                f"{group}={'|'.join(options)}, or leave {group}.{key}={default}"
+                f"{group}.{key}={value} with {selector}={option}: {selector}={option} does not read it; use "
+                f"{selector}={'|'.join(options)}, or leave {group}.{key}={default}"
             )
+
+
+def schema_default(config: Any, key: str) -> Any:
+    """The default of ``key`` in ``config``'s dataclass (a list's from its factory)."""
+    field = type(config).__dataclass_fields__[key]
+    return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default

@@ -8,6 +8,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from decent_train.components.checks import refuse_unread
+
 DEVICES = ("cpu", "cuda", "auto")
 # torch's c10d rendezvous defaults (dynamic_rendezvous.py, c10d_rendezvous_backend.py), which the launch config's
 # defaults keep.
@@ -129,6 +131,9 @@ def host_port(address: str) -> bool:
     return bool(host) and port.isdigit() and 1 <= int(port) <= 65535
 
 
+FAULT_TOLERANCE_READERS = dict.fromkeys(("detect_s", "min_workers", "role"), ("live",))  # key -> who reads it
+
+
 @dataclass
 class FaultToleranceConfig:
     """``conf/fault_tolerance/*.yaml``. ``none``: a failed worker stops every worker (torchrun restarts them all
@@ -152,9 +157,7 @@ class FaultToleranceConfig:
             raise ValueError(f"fault_tolerance.min_workers={self.min_workers} must be >= 1")
         if self.role not in LIVE_ROLES:
             raise ValueError(f"fault_tolerance.role={self.role!r}; valid: {', '.join(LIVE_ROLES)}")
-        if self.role != "both" and not self.live:
-            raise ValueError(f"fault_tolerance.role={self.role} is live mode's; set fault_tolerance=live, or leave "
-                             "fault_tolerance.role=both")
+        refuse_unread("fault_tolerance", self, FAULT_TOLERANCE_READERS)
 
     @property
     def live(self) -> bool:

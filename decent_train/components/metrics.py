@@ -20,6 +20,7 @@ from loguru import logger
 from torch import Tensor
 from tqdm import tqdm
 
+from decent_train.components.checks import refuse_unread, refusing_unread, schema_default
 from decent_train.engine import reconfigure
 from decent_train.engine.membership import local_part
 from decent_train.engine.topology import Topology
@@ -66,6 +67,13 @@ class LoggerConfig:
             )
         if self.console_level.upper() not in LEVELS:
             raise ValueError(f"logger.console_level={self.console_level!r} is not a level; valid: {', '.join(LEVELS)}")
+        wandb_keys = [key for key in WandbConfig.__dataclass_fields__ if key != "mode"]
+        refuse_unread("logger.wandb", self.wandb, dict.fromkeys(wandb_keys, ("offline", "online")), "logger.wandb.mode",
+                      self.wandb.mode)
+        if refusing_unread() and self.consensus_every == 0 and self.consensus_samples != schema_default(self, "consensus_samples"):
+            raise ValueError(f"logger.consensus_samples={self.consensus_samples} with logger.consensus_every=0: nothing "
+                             "measures the consensus distance; set logger.consensus_every > 0, or leave "
+                             f"logger.consensus_samples={schema_default(self, 'consensus_samples')}")
 
 
 def setup_worker_logging(run_dir: Path, rank: int, cfg: LoggerConfig, name: str | None = None) -> None:

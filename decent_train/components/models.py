@@ -12,11 +12,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from decent_train.components.checks import refuse_unread
+
 MODEL_NAMES = ("mlp", "cnn", "resnet18", "resnet50", "gpt2")
 _SHAPE_KEYS = {  # the settings that shape each model (dropout does not)
     "mlp": ("hidden_sizes",), "cnn": ("channels",), "resnet18": ("small_stem",), "resnet50": ("small_stem",),
     "gpt2": ("layers", "heads", "width", "bias"),
 }
+# model.<key> -> the models that read it
+READERS = {key: tuple(m for m, keys in _SHAPE_KEYS.items() if key in keys) for keys in _SHAPE_KEYS.values()
+           for key in keys} | {"dropout": ("mlp", "cnn", "gpt2")}
 
 
 @dataclass
@@ -46,6 +51,7 @@ class ModelConfig:
                 f"model.layers={self.layers}, model.heads={self.heads}, model.width={self.width} must be positive, "
                 "with width divisible by heads"
             )
+        refuse_unread("model", self, READERS)
 
     def architecture(self) -> dict[str, Any]:
         """What a checkpoint of this model must match: the name and the settings that shape it (JSON-ready)."""

@@ -27,6 +27,10 @@ OPTIMIZERS = {
     "adam": optim_fn_adam,
     "sgd": optim_fn_sgd,
 }
+ADAMS = ("accum_adamw", "accum_adam", "adamw", "adam")
+# optim.<key> -> the optimizers that read it (all read lr and weight_decay)
+OPTIM_READERS = {"beta1": ADAMS, "beta2": ADAMS, "eps": ADAMS, "accum_iter": ("accum_adamw", "accum_adam"),
+                 "momentum": ("sgd",), "nesterov": ("sgd",)}
 SCHEDULER_NAMES = ("cosine", "constant")
 WARMUP_KEYS = ("warmup_steps", "warmup_epochs", "warmup_fraction")  # the first of them set (> 0) is the warmup
 # scheduler.<key> -> the schedules that read it: set away from its default under another, it is refused.
@@ -63,6 +67,7 @@ class OptimConfig:
             raise ValueError(f"optim.eps={self.eps} must be >= 0")
         if self.name == "sgd" and self.nesterov and self.momentum == 0:
             raise ValueError("optim.nesterov=true needs optim.momentum > 0 (or set optim.nesterov=false)")
+        refuse_unread("optim", self, OPTIM_READERS)
 
 
 @dataclass

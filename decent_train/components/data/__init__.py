@@ -18,6 +18,7 @@ from typing import Optional
 
 from torch import Tensor
 
+from decent_train.components.checks import refuse_unread
 from decent_train.components.data import arrays, images, tokens
 from decent_train.components.data.arrays import DIGITS_CLASSES, TensorData
 from decent_train.components.data.base import (
@@ -42,6 +43,7 @@ class DatasetKind:
     """Everything the launcher and the worker need to know about one dataset name."""
 
     build: Callable[[DatasetConfig], Datasets]  # in the worker; the files are checked first
+    reads: tuple[str, ...] = ()  # the dataset.* keys it reads, beside name and the partition's (others are refused)
     check_files: Optional[Callable[[DatasetConfig], None]] = None  # cheap, before any worker; None: nothing on disk
     layout: str = ""  # what dataset.root must hold, for error messages
     classes: Optional[Callable[[DatasetConfig], int]] = None  # without loading the data; None: labels not in memory
@@ -83,9 +85,15 @@ def _check_cifar(cfg: DatasetConfig) -> None:
         images.check_cifar(root, cfg.name)
 
 
+def _check_token_shards(cfg: DatasetConfig, world: int) -> None:
+    train = cfg.root_path() / "train.bin"
+    tokens.check_token_shards(train, train.stat().st_size // 2, world, cfg.context_length)  # uint16: 2 bytes a token
+
+
 def _cifar(name: str) -> DatasetKind:
     return DatasetKind(
         build=lambda cfg: images.cifar(cfg.root_path(), cfg.name, cfg.augment),
+        reads=("root", "download", "augment"),
         check_files=_check_cifar,
         layout=images.CIFAR_LAYOUT[name],
         classes=lambda cfg: images.CIFAR_CLASSES[name],
@@ -97,6 +105,7 @@ def _cifar(name: str) -> DatasetKind:
 DATASETS: dict[str, DatasetKind] = {
     "digits": DatasetKind(
         build=lambda cfg: arrays.digits(cfg.test_fraction, cfg.split_seed),
+        reads=("test_fraction", "split_seed"),
         classes=lambda cfg: DIGITS_CLASSES,
         images=True,
         train_size=lambda cfg: arrays.digits_train_size(cfg.test_fraction),
@@ -106,6 +115,7 @@ DATASETS: dict[str, DatasetKind] = {
         build=lambda cfg: arrays.synthetic(
             cfg.num_samples, tuple(cfg.input_shape), cfg.num_classes, cfg.noise, cfg.split_seed
         ),
+        reads=("num_samples", "input_shape", "num_classes", "noise", "split_seed"),
         classes=lambda cfg: cfg.num_classes,
         train_size=lambda cfg: cfg.num_samples,
         train_labels=lambda cfg: arrays.synthetic_train_labels(
@@ -114,6 +124,7 @@ DATASETS: dict[str, DatasetKind] = {
     ),
     "npz": DatasetKind(
         build=lambda cfg: arrays.npz(cfg.root_path()),
+        reads=("root",),
         check_files=_check_npz,
         layout=arrays.NPZ_LAYOUT,
         classes=lambda cfg: arrays.npz_classes(cfg.root_path()),
@@ -126,20 +137,24 @@ DATASETS: dict[str, DatasetKind] = {
     "cifar100": _cifar("cifar100"),
     "imagefolder": DatasetKind(
         build=lambda cfg: images.ImageFolderData(cfg.root_path(), cfg.image_size, cfg.augment, cfg.loader_workers),
+        reads=("root", "augment", "image_size", "loader_workers"),
         check_files=lambda cfg: images.check_image_folder(_check_dir(cfg)),
         layout=images.IMAGE_FOLDER_LAYOUT,
         images=True,
     ),
     "tokens": DatasetKind(
         build=lambda cfg: tokens.TokenData(cfg.root_path(), cfg.context_length, cfg.vocab_size),
+        reads=("root", "context_length", "vocab_size"),
         check_files=lambda cfg: tokens.check_token_files(_check_dir(cfg), cfg.context_length),
         layout=tokens.TOKENS_LAYOUT,
-        check_shards=lambda cfg, world: tokens.check_token_shards(
-            cfg.root_path() / "train.bin", (cfg.root_path() / "train.bin").stat().st_size // 2, world,
-            cfg.context_length),
+        check_shards=_check_token_shards,
     ),
 }
 DATASET_NAMES = tuple(DATASETS)
+# dataset.<key> -> the datasets that read it (a fixed partition also reads split_seed, whatever the dataset)
+READERS = {key: tuple(name for name, kind in DATASETS.items() if key in kind.reads)
+           for key in dict.fromkeys(key for kind in DATASETS.values() for key in kind.reads)}
+PARTITION_READERS = {"alpha": ("dirichlet",), "classes_per_worker": ("classes",)}  # dataset.partition's keys
 IMAGE_DATASETS = tuple(name for name, kind in DATASETS.items() if kind.images)
 
 
@@ -183,6 +198,9 @@ class DatasetConfig:
         if self.loader_workers < 0:
             raise ValueError(f"dataset.loader_workers={self.loader_workers} must be >= 0")
         self._check_download_and_partition()
+        refuse_unread("dataset", self, READERS if self.partition == "iid" else
+                      {k: v for k, v in READERS.items() if k != "split_seed"})
+        refuse_unread("dataset", self, PARTITION_READERS, "dataset.partition", self.partition)
         if self.kind.check_files is not None:
             self.root_path()  # a data directory is named (whether it holds the data is check_files' question)
 
