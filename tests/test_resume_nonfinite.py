@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
+import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -255,10 +258,10 @@ def test_the_launchers_check_names_the_lowest_bad_rank_when_a_later_one_is_found
         ranks.append({"file": path.name, "sha256": sha256 if rank != 2 else "0" * 64, "bytes": size})
     rank2_hashed, checksum = threading.Event(), module._checksum
 
-    def rank0_after_rank2(path: Path) -> tuple[str, int]:
+    def rank0_after_rank2(path: Path, *stop: Any) -> tuple[str, int]:
         if path.name == "rank0.pt":
             rank2_hashed.wait(timeout=10)  # checked one at a time, rank 2 never comes first: go on after the wait
-        found = checksum(path)
+        found = checksum(path, *stop)
         if path.name == "rank2.pt":
             rank2_hashed.set()
         return found
@@ -268,3 +271,23 @@ def test_the_launchers_check_names_the_lowest_bad_rank_when_a_later_one_is_found
     why = module.verify_checkpoint(module.Checkpoint(tmp_path, {"step": 3, "world_size": 4, "ranks": ranks}))
     assert rank2_hashed.is_set()  # rank 2's problem was there before rank 0's: the order was not a given
     assert why == f"{tmp_path / 'rank0.pt'} holds NaN in model.w"
+
+
+def test_a_ctrl_c_during_the_launchers_check_ends_it_at_once(tmp_path: Path) -> None:
+    """A real SIGINT while ``verify_checkpoint`` hashes two large rank files (sparse: 8 GiB each, no disk used) ends it
+    within a chunk, not after the files: the hashing threads stop too, so nothing waits for them at the exit."""
+    from decent_train.components import checkpoint as module
+
+    ranks = []
+    for rank in range(2):
+        (tmp_path / f"rank{rank}.pt").touch()
+        os.truncate(tmp_path / f"rank{rank}.pt", 8 << 30)
+        ranks.append({"file": f"rank{rank}.pt", "sha256": "0" * 64, "bytes": 8 << 30})
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        module.verify_checkpoint(module.Checkpoint(tmp_path, {"step": 3, "world_size": 2, "ranks": ranks}))
+    stopped = time.monotonic() - start
+    assert not [t for t in threading.enumerate() if t.name.startswith("verify_checkpoint")]
+    assert stopped < 5.0, f"stopped {stopped:.1f} s after the start, 0.5 s after which the signal came"

@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -228,20 +229,23 @@ def verify_checkpoint(checkpoint: Checkpoint) -> str:
     memory): a resume that would find nothing it can train from stops there, in one line, instead of in every worker.
     The ranks are checked in up to ``VERIFY_THREADS`` threads: hashing is single-core bound and hashlib releases the
     GIL, so a node's cores (and a disk's queue) share the work every start and requeue waits for."""
-    ranks = checkpoint.manifest["ranks"]
+    ranks, stop = checkpoint.manifest["ranks"], threading.Event()
     pool = ThreadPoolExecutor(max(1, min(len(ranks), VERIFY_THREADS)), thread_name_prefix="verify_checkpoint")
     try:
-        for why in pool.map(lambda entry: _verify_rank(checkpoint, entry), ranks):  # in rank order
+        for why in pool.map(lambda entry: _verify_rank(checkpoint, entry, stop), ranks):  # in rank order
             if why:
                 return why
     finally:
-        pool.shutdown(cancel_futures=True)  # after a bad rank (or a Ctrl-C) those running finish, no other starts
+        stop.set()  # after a bad rank or a Ctrl-C the running hashes end at their next chunk, not their file's end
+        pool.shutdown(cancel_futures=True)
     return ""
 
 
-def _verify_rank(checkpoint: Checkpoint, entry: dict[str, Any]) -> str:
+def _verify_rank(checkpoint: Checkpoint, entry: dict[str, Any], stop: threading.Event) -> str:
     """``verify_checkpoint`` for one rank's manifest ``entry``: its files' checksums, then its tensors (mapped)."""
-    why = _check_files(checkpoint, [entry, *entry.get("sharded", [])])
+    why = _check_files(checkpoint, [entry, *entry.get("sharded", [])], stop)
+    if stop.is_set():
+        return ""  # nobody reads it
     if not why:
         path = checkpoint.path / entry["file"]
         why = _nonfinite_file(path, torch.load(path, map_location="cpu", weights_only=True, mmap=True))
@@ -392,22 +396,25 @@ def _save_sharded(directory: Path, sharded: ShardedState) -> list[dict[str, Any]
     return entries
 
 
-def _checksum(path: Path) -> tuple[str, int]:
-    """The sha256 and size of ``path``, streamed (never the whole file in memory)."""
+def _checksum(path: Path, stop: Optional[threading.Event] = None) -> tuple[str, int]:
+    """The sha256 and size of ``path``, streamed (never the whole file in memory); cut short once ``stop`` is set."""
     with open(path, "rb") as file:
         sha256, size = hashlib.sha256(), 0
-        while chunk := file.read(1 << 24):
+        while not (stop is not None and stop.is_set()) and (chunk := file.read(1 << 24)):
             sha256.update(chunk)
             size += len(chunk)
     return sha256.hexdigest(), size
 
 
-def _check_files(checkpoint: Checkpoint, entries: list[dict[str, Any]]) -> str:
-    """Why one of ``entries``' files does not match its checksum in the manifest; empty if all do."""
+def _check_files(
+    checkpoint: Checkpoint, entries: list[dict[str, Any]], stop: Optional[threading.Event] = None
+) -> str:
+    """Why one of ``entries``' files does not match its checksum in the manifest; empty if all do. Cut short once
+    ``stop`` is set, when nobody reads the answer."""
     for entry in entries:
         path = checkpoint.path / entry["file"]
         try:
-            sha256, size = _checksum(path)
+            sha256, size = _checksum(path, stop)
         except OSError as error:
             return f"{path} cannot be read ({error.strerror})"
         if size != entry["bytes"] or sha256 != entry["sha256"]:
