@@ -93,7 +93,7 @@ REFUSED = {  # overrides -> what the one line must hold
         "optim.nesterov=True with optim=accum_adamw", "use optim=sgd", "leave optim.nesterov=False"]),
     "a resnet with dropout": (["model=resnet18", "model.dropout=0.1"], [
         "model.dropout=0.1 with model=resnet18", "use model=mlp|cnn|gpt2", "leave model.dropout=0.0"]),
-    "a cnn with a transformer's depth": (["model=cnn", "model.layers=2"], [
+    "a cnn with a transformer depth": (["model=cnn", "model.layers=2"], [
         "model.layers=2 with model=cnn", "use model=gpt2", "leave model.layers=12"]),
     "an mlp with channels": (["model=mlp", "model.channels=[8]"], [
         "model.channels=[8] with model=mlp", "use model=cnn", "leave model.channels=[32, 64]"]),
@@ -107,7 +107,7 @@ REFUSED = {  # overrides -> what the one line must hold
         "dataset.image_size=64 with dataset=cifar10", "use dataset=imagefolder", "leave dataset.image_size=224"]),
     "an iid split of cifar with a seed": (["dataset=cifar10", f"dataset.root={CIFAR}", "dataset.split_seed=3"], [
         "dataset.split_seed=3 with dataset=cifar10", "leave dataset.split_seed=0"]),
-    "shards with dirichlet's alpha": (["dataset.partition=shards", "dataset.alpha=0.1"], [
+    "shards with a dirichlet alpha": (["dataset.partition=shards", "dataset.alpha=0.1"], [
         "dataset.alpha=0.1 with dataset.partition=shards", "use dataset.partition=dirichlet", "leave dataset.alpha=0.5"]),
     "iid with classes per worker": (["dataset.classes_per_worker=3"], [
         "dataset.classes_per_worker=3 with dataset.partition=iid", "use dataset.partition=classes"]),
