@@ -12,12 +12,9 @@ parameters and gradients in the same process, alternating step by step.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from types import ModuleType
@@ -27,23 +24,9 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import ProfilerActivity, profile
 
-ROOT = Path(__file__).resolve().parent.parent
+from revisions import load_revision  # scripts/ (this script's folder)
+
 OPTIMIZERS = "decent_train/engine/optimizers.py"
-
-
-def load_revision(rev: str) -> ModuleType:
-    """The optimizers module as it was at ``rev`` (its imports are torch's only, so it loads on its own)."""
-    source = subprocess.run(["git", "show", f"{rev}:{OPTIMIZERS}"], cwd=ROOT, check=True, capture_output=True,
-                            text=True).stdout
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "optimizers_before.py"
-        path.write_text(source)
-        spec = importlib.util.spec_from_file_location("optimizers_before", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up
-        spec.loader.exec_module(module)
-    return module
 
 
 def peak_new_bytes(fn: Callable[[], object]) -> int:
@@ -117,7 +100,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Measure both implementations for each optimizer; returns the results as a dict."""
     import decent_train.engine.optimizers as after
 
-    before = load_revision(args.before)
+    before = load_revision(args.before, OPTIMIZERS)
     named, grads = make_model(args.width, args.layers, seed=0)
     n_params = sum(p.numel() for _, p in named)
     param_bytes = sum(p.numel() * p.element_size() for _, p in named)

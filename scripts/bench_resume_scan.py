@@ -34,7 +34,6 @@ descheduled thread, and the same scan took 0.1 s or 0.9 s from one call to the n
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -53,24 +52,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from decent_train.components import checkpoint as ck  # noqa: E402
+from revisions import load_revision  # noqa: E402 - scripts/ (this script's folder)
 
 CHECKPOINT = "decent_train/components/checkpoint.py"
 SIZES = {"26M": (320, 8), "124M": (768, 12)}  # GPT-2 shapes (n_embd, n_layer), vocab 50257, context 1024
-
-
-def load_revision(rev: str) -> ModuleType:
-    """``checkpoint.py`` as it was at ``rev`` (its imports resolve to this tree's package)."""
-    source = subprocess.run(["git", "show", f"{rev}:{CHECKPOINT}"], cwd=ROOT, check=True, capture_output=True,
-                            text=True).stdout
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "checkpoint_before.py"
-        path.write_text(source)
-        spec = importlib.util.spec_from_file_location("checkpoint_before", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up
-        spec.loader.exec_module(module)
-    return module
 
 
 def gpt2_state(n_embd: int, n_layer: int, moments: int) -> dict[str, Any]:
@@ -221,7 +206,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="JSON of every row")
     args = parser.parse_args()
     sizes = ["26M"] if args.quick else args.sizes.split(",")
-    before = load_revision(args.before) if args.before else None
+    before = load_revision(args.before, CHECKPOINT) if args.before else None
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {torch.get_num_threads()} intra-op threads, "
           f"load average {os.getloadavg()}, checkpoints in {args.dir}", flush=True)
