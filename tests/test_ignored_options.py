@@ -90,13 +90,13 @@ REFUSED = {  # overrides -> what the one line must hold
     "adamw with momentum": (["optim=adamw", "optim.momentum=0.5"], [
         "optim.momentum=0.5 with optim=adamw", "use optim=sgd", "leave optim.momentum=0.9"]),
     "accum_adamw with nesterov": (["optim.nesterov=true"], [
-        "optim.nesterov=True with optim=accum_adamw", "use optim=sgd", "leave optim.nesterov=False"]),
+        "optim.nesterov=true with optim=accum_adamw", "use optim=sgd", "leave optim.nesterov=false"]),
     "a resnet with dropout": (["model=resnet18", "model.dropout=0.1"], [
         "model.dropout=0.1 with model=resnet18", "use model=mlp|cnn|gpt2", "leave model.dropout=0.0"]),
     "a cnn with a transformer depth": (["model=cnn", "model.layers=2"], [
         "model.layers=2 with model=cnn", "use model=gpt2", "leave model.layers=12"]),
     "an mlp with channels": (["model=mlp", "model.channels=[8]"], [
-        "model.channels=[8] with model=mlp", "use model=cnn", "leave model.channels=[32, 64]"]),
+        "model.channels=[8] with model=mlp", "use model=cnn", "leave model.channels=[32,64]"]),
     "digits with a synthetic size": (["dataset.num_samples=100"], [
         "dataset.num_samples=100 with dataset=digits", "use dataset=synthetic", "leave dataset.num_samples=8192"]),
     "synthetic with a test fraction": (["dataset=synthetic", "dataset.test_fraction=0.5"], [
@@ -119,6 +119,8 @@ REFUSED = {  # overrides -> what the one line must hold
     "no wandb with a project": (["logger=jsonl", "logger.wandb.project=mine"], [
         "logger.wandb.project=mine with logger.wandb.mode=disabled", "use logger.wandb.mode=offline|online",
         "leave logger.wandb.project=decent-train"]),
+    "no wandb with an entity": (["logger=jsonl", "logger.wandb.entity=me"], [
+        "logger.wandb.entity=me with logger.wandb.mode=disabled", "leave logger.wandb.entity=null"]),
     "no consensus with its samples": (["logger.consensus_every=0", "logger.consensus_samples=0"], [
         "logger.consensus_samples=0 with logger.consensus_every=0", "leave logger.consensus_samples=65536"]),
 }

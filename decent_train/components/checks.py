@@ -78,8 +78,8 @@ def refuse_unread(
         value, default = getattr(config, key), schema_default(config, key)
         if option not in options and value != default:
             raise ValueError(
-                f"{group}.{key}={value} with {selector}={option}: {selector}={option} does not read it; use "
-                f"{selector}={'|'.join(options)}, or leave {group}.{key}={default}"
+                f"{group}.{key}={as_override(value)} with {selector}={option}: {selector}={option} does not read it; "
+                f"use {selector}={'|'.join(options)}, or leave {group}.{key}={as_override(default)}"
             )
 
 
@@ -87,3 +87,14 @@ def schema_default(config: Any, key: str) -> Any:
     """The default of ``key`` in ``config``'s dataclass (a list's from its factory)."""
     field = type(config).__dataclass_fields__[key]
     return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+
+
+def as_override(value: Any) -> str:
+    """``value`` as a command-line override writes it: ``null``, ``true``, ``[32,64]``."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(as_override(v) for v in value) + "]"
+    return str(value)

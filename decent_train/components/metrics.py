@@ -70,10 +70,11 @@ class LoggerConfig:
         wandb_keys = [key for key in WandbConfig.__dataclass_fields__ if key != "mode"]
         refuse_unread("logger.wandb", self.wandb, dict.fromkeys(wandb_keys, ("offline", "online")), "logger.wandb.mode",
                       self.wandb.mode)
-        if refusing_unread() and self.consensus_every == 0 and self.consensus_samples != schema_default(self, "consensus_samples"):
+        samples = schema_default(self, "consensus_samples")
+        if refusing_unread() and self.consensus_every == 0 and self.consensus_samples != samples:
             raise ValueError(f"logger.consensus_samples={self.consensus_samples} with logger.consensus_every=0: nothing "
                              "measures the consensus distance; set logger.consensus_every > 0, or leave "
-                             f"logger.consensus_samples={schema_default(self, 'consensus_samples')}")
+                             f"logger.consensus_samples={samples}")
 
 
 def setup_worker_logging(run_dir: Path, rank: int, cfg: LoggerConfig, name: str | None = None) -> None:

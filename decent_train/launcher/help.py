@@ -27,6 +27,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from decent_train.components.checks import as_override
 from decent_train.config import ALGORITHM_TRAITS, TrainConfig
 
 WIDTH = 120  # characters a line of the help may take
@@ -173,13 +174,7 @@ def _format(value: Any) -> str:
     """A value as an override writes it."""
     if isinstance(value, (DictConfig, ListConfig)):
         value = OmegaConf.to_container(value)
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, list):
-        return "[" + ",".join(_format(v) for v in value) + "]"
-    return str(value)
+    return as_override(value)
 
 
 def _line(key: Key) -> str:
