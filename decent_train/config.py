@@ -23,7 +23,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from decent_train.components.checkpoint import CheckpointConfig
-from decent_train.components.checks import as_sweep_job, engine_check, refusing_ignored, refusing_unread
+from decent_train.components.checks import (
+    as_override,
+    as_sweep_job,
+    engine_check,
+    refusing_ignored,
+    refusing_unread,
+    schema_default,
+)
 from decent_train.components.compression import COPY_DTYPES, CompressionConfig  # noqa: F401  (re-exported)
 from decent_train.components.data import IMAGE_DATASETS, DatasetConfig
 from decent_train.components.launch import (  # noqa: F401  (the launch schema's names, re-exported)
@@ -55,11 +62,6 @@ METRICS_FILE = "metrics.jsonl"
 RESULT_FILE = "result.json"
 MODEL_FILE = "model.pt"
 DIVERGED_FILE = "diverged.txt"  # why training stopped on a NaN/inf loss: restarted workers do not train again
-
-
-def _default(schema: type, key: str) -> Any:
-    """The schema's default of ``key`` (a refusal of a key that does nothing accepts its default only)."""
-    return schema.__dataclass_fields__[key].default
 
 
 @dataclass
@@ -305,13 +307,13 @@ class TrainConfig:
     def _check_no_topology(self) -> None:
         """An algorithm that does not gossip reads no ``topology.*`` key: one set away from its default is refused."""
         for name in ("name", "local_world_size", "module"):
-            value, default = getattr(self.topology, name), _default(TopologyConfig, name)
+            value, default = getattr(self.topology, name), schema_default(TopologyConfig, name)
             key = "topology" if name == "name" else f"topology.{name}"
             if value != default:
                 raise ValueError(
                     f"{key}={value} with algorithm={self.algorithm.name}: algorithm={self.algorithm.name} does not "
                     f"gossip and reads no topology; use one that does ({_having('gossips')}), or leave {key}="
-                    f"{'null' if default is None else default}"
+                    f"{as_override(default)}"
                 )
 
     def _check_local_steps(self) -> None:
@@ -346,11 +348,11 @@ class TrainConfig:
             ("algorithm", self.algorithm.name) if traits.local_steps else None)
         if front is None:
             return
-        if self.bucket_size_mb != _default(TrainConfig, "bucket_size_mb"):
+        if self.bucket_size_mb != schema_default(TrainConfig, "bucket_size_mb"):
             raise ValueError(
                 f"bucket_size_mb={self.bucket_size_mb} with {front[0]}={front[1]}: bucket_size_mb sizes the engine's "
                 f"buckets, which {front[0]}={front[1]} does not run; leave bucket_size_mb="
-                f"{_default(TrainConfig, 'bucket_size_mb')}"
+                f"{schema_default(TrainConfig, 'bucket_size_mb')}"
             )
 
     def _check_live(self) -> None:
@@ -381,10 +383,10 @@ class TrainConfig:
              f"{launch.rdzv_endpoint}: the coordinator's store; valid: HOST:PORT with a port in 1..65535"),
             (self.precision == "fp16", "precision=fp16: the workers' overflow agreement is a collective of every "
              "worker, which a dead member fails on all the others; use precision=bf16 or fp32"),
-            (launch.monitor_interval != _default(LaunchConfig, "monitor_interval"),
+            (launch.monitor_interval != schema_default(LaunchConfig, "monitor_interval"),
              f"launch.monitor_interval={launch.monitor_interval}: the elastic agent's, which a live run does not "
              "start (its node agents watch heartbeats; fault_tolerance.detect_s sets how soon a silent worker is "
-             f"dead); leave launch.monitor_interval={_default(LaunchConfig, 'monitor_interval')}"),
+             f"dead); leave launch.monitor_interval={schema_default(LaunchConfig, 'monitor_interval')}"),
         ]
         for refused, why in refusals:
             if refused:

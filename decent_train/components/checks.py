@@ -75,7 +75,7 @@ def refuse_unread(
         return
     selector, option = selector or group, config.name if option is None else option
     for key, options in readers.items():
-        value, default = getattr(config, key), schema_default(config, key)
+        value, default = getattr(config, key), schema_default(type(config), key)
         if option not in options and value != default:
             raise ValueError(
                 f"{group}.{key}={as_override(value)} with {selector}={option}: {selector}={option} does not read it; "
@@ -83,9 +83,10 @@ def refuse_unread(
             )
 
 
-def schema_default(config: Any, key: str) -> Any:
-    """The default of ``key`` in ``config``'s dataclass (a list's from its factory)."""
-    field = type(config).__dataclass_fields__[key]
+def schema_default(schema: type, key: str) -> Any:
+    """The default of ``key`` in the dataclass ``schema`` (a list's from its factory): what a refusal of a key that
+    does nothing accepts."""
+    field = schema.__dataclass_fields__[key]
     return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
 
 

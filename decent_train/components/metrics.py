@@ -47,6 +47,10 @@ class WandbConfig:
             raise ValueError(f"logger.wandb.mode={self.mode!r} is not a mode; valid: {', '.join(WANDB_MODES)}")
 
 
+# logger.wandb.<key> -> the modes that read it: every key but the mode itself, which disabled wandb reads none of
+WANDB_READERS = dict.fromkeys([key for key in WandbConfig.__dataclass_fields__ if key != "mode"], ("offline", "online"))
+
+
 @dataclass
 class LoggerConfig:
     """``conf/logger/*.yaml``."""
@@ -67,10 +71,8 @@ class LoggerConfig:
             )
         if self.console_level.upper() not in LEVELS:
             raise ValueError(f"logger.console_level={self.console_level!r} is not a level; valid: {', '.join(LEVELS)}")
-        wandb_keys = [key for key in WandbConfig.__dataclass_fields__ if key != "mode"]
-        refuse_unread("logger.wandb", self.wandb, dict.fromkeys(wandb_keys, ("offline", "online")), "logger.wandb.mode",
-                      self.wandb.mode)
-        samples = schema_default(self, "consensus_samples")
+        refuse_unread("logger.wandb", self.wandb, WANDB_READERS, "logger.wandb.mode", self.wandb.mode)
+        samples = schema_default(LoggerConfig, "consensus_samples")
         if refusing_unread() and self.consensus_every == 0 and self.consensus_samples != samples:
             raise ValueError(f"logger.consensus_samples={self.consensus_samples} with logger.consensus_every=0: nothing "
                              "measures the consensus distance; set logger.consensus_every > 0, or leave "

@@ -8,7 +8,7 @@ from functools import partial
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
-from decent_train.components.checks import refuse_unread, refusing_unread
+from decent_train.components.checks import refuse_unread, refusing_unread, schema_default
 from decent_train.engine.optimizers import (
     LRSchedulerFn,
     OptimFn,
@@ -98,19 +98,19 @@ class SchedulerConfig:
     def _check_warmup_keys(self) -> None:
         """The first of ``WARMUP_KEYS`` above 0 sets the warmup: another set too is never read (a fraction left at
         its default or 0 passes), nor is ``warmup_start`` when all are 0."""
-        defaults = type(self).__dataclass_fields__
         first, *later = [key for key in WARMUP_KEYS if getattr(self, key) > 0] or [None]
         for key in later:
-            if getattr(self, key) != defaults[key].default:
+            if getattr(self, key) != schema_default(SchedulerConfig, key):
                 raise ValueError(
                     f"scheduler.{key}={getattr(self, key)} with scheduler.{first}={getattr(self, first)}: {first} sets "
                     f"the warmup, and {key} is read only when {first}=0; set one of them to 0"
                 )
-        if first is None and self.warmup_start != defaults["warmup_start"].default:
+        start = schema_default(SchedulerConfig, "warmup_start")
+        if first is None and self.warmup_start != start:
             raise ValueError(
                 f"scheduler.warmup_start={self.warmup_start}: there is no warmup (scheduler.warmup_steps, "
                 "warmup_epochs and warmup_fraction are 0); set one of them, or leave scheduler.warmup_start="
-                f"{defaults['warmup_start'].default}"
+                f"{start}"
             )
 
     def check_run(self, steps: int, epochs: float) -> None:
