@@ -139,7 +139,30 @@ def _copy(run_dir: Path, to: Path) -> Path:
 
 def _digests(run_dir: Path) -> dict[str, str]:
     return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(run_dir.rglob("*")) if p.is_file() and ".hydra" not in p.parts}
+            for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_a_refused_relaunch_keeps_the_record_of_the_command_that_made_the_run(tmp_path: Path) -> None:
+    """Hydra writes ``.hydra/`` (the command's overrides and config) before the job runs; a relaunch into the run's
+    directory that the checks refuse must not replace it with the refused command. A command that sets
+    ``hydra.output_subdir`` gets Hydra's behaviour: its directory, or nothing."""
+    run_dir = tmp_path / "run"
+    check_succeeded(decent_train("dry_run=true", "optim.lr=0.01", f"hydra.run.dir={run_dir}", cwd=tmp_path))
+    assert list(OmegaConf.load(run_dir / ".hydra" / "overrides.yaml")) == ["dry_run=true", "optim.lr=0.01"]
+    before = _digests(run_dir)
+    assert set(before) == {RESOLVED_CONFIG, ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml"}
+    refused = decent_train("dry_run=true", "optim.lr=-1", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert (refused.returncode, refused.stderr) == (2, "decent-train: error: optim.lr=-1.0 must be > 0\n")
+    assert _digests(run_dir) == before
+
+    check_succeeded(decent_train("dry_run=true", "hydra.output_subdir=null", f"hydra.run.dir={tmp_path}/none",
+                                 cwd=tmp_path))
+    assert [p.name for p in (tmp_path / "none").iterdir()] == [RESOLVED_CONFIG]
+    check_succeeded(decent_train("dry_run=true", "hydra.output_subdir=record", f"hydra.run.dir={tmp_path}/own",
+                                 cwd=tmp_path))
+    assert sorted(p.name for p in (tmp_path / "own").iterdir()) == ["record", RESOLVED_CONFIG]
+    assert (tmp_path / "own" / "record" / "overrides.yaml").is_file()
 
 
 @pytest.mark.slow

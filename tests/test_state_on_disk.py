@@ -210,13 +210,19 @@ def test_a_run_dir_on_a_full_disk_is_refused(full_disk: Path) -> None:
 
 
 @pytest.mark.slow
-def test_the_launcher_refuses_a_run_dir_on_a_full_disk_in_one_line(full_disk: Path) -> None:
-    """Hydra's own write (.hydra/) fails first, naming no file: the line names the directory."""
-    proc = decent_train(f"hydra.run.dir={full_disk}/run", "launch.nproc_per_node=2", "model=mlp", cwd=full_disk.parent)
+@pytest.mark.parametrize("hydra_writes", [False, True], ids=["the job's check", "hydra.output_subdir set"])
+def test_the_launcher_refuses_a_run_dir_on_a_full_disk_in_one_line(full_disk: Path, hydra_writes: bool) -> None:
+    """The preflight's write fails first; where the command sets ``hydra.output_subdir``, Hydra's own write does,
+    before the job runs, naming no file: the line names the directory."""
+    subdir = ["hydra.output_subdir=.hydra"] if hydra_writes else []
+    proc = decent_train(f"hydra.run.dir={full_disk}/run", "launch.nproc_per_node=2", "model=mlp", *subdir,
+                        cwd=full_disk.parent)
     assert proc.returncode == 2, proc.stderr
     (line,) = proc.stderr.strip().splitlines()
-    assert line == (f"decent-train: error: hydra.run.dir: cannot create or write {full_disk}/run/.hydra (No space left "
-                    "on device); give hydra.run.dir=<a directory you can write to>")
+    written = "create or write {}/run/.hydra" if hydra_writes else "write {}/run"
+    assert line == (f"decent-train: error: hydra.run.dir: cannot {written.format(full_disk)} (No space left on "
+                    "device); give hydra.run.dir=<a directory you can write to>")
+    assert (full_disk / "run").exists() == hydra_writes  # Hydra's error comes before the job, which drops its own
 
 
 # -- a malformed npz -------------------------------------------------------------------------------------------------

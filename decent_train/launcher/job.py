@@ -114,8 +114,9 @@ def _run_job(cfg: DictConfig) -> float | None:
     """
     _note_sweep()
     interrupt.raise_if_received()  # one a library swallowed between two jobs of a sweep
+    record = _hydra_record(cfg)  # before the checks fill in the run's keys
     try:
-        return _check_and_launch(cfg)
+        return _check_and_launch(cfg, record)
     except Exception as error:  # noqa: BLE001 - sorted into the user's mistakes and our bugs by describe_error
         sig = interrupt.stop_signal(error)
         if sig is not None:  # an error in a stop's wake: the stop, which Hydra must not record as this job's failure
@@ -134,16 +135,40 @@ def _run_job(cfg: DictConfig) -> float | None:
 
 
 def _drop_refused_run_dir(run_dir: Path) -> None:
-    """A refused job trained nothing, and the directory Hydra made for it holds only Hydra's copy of the command
-    (``.hydra/``): gone, so that mistakes leave no empty runs among the real ones (``decent-train-plot`` of a
-    sweep, say). A directory that holds anything else is left alone."""
-    if run_dir.is_dir() and [entry.name for entry in run_dir.iterdir()] == [".hydra"]:
-        shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
+    """A refused job trained nothing, and the directory Hydra made for it is empty (or holds only Hydra's copy of the
+    command, where ``hydra.output_subdir`` was set): gone, so that mistakes leave no empty runs among the real ones
+    (``decent-train-plot`` of a sweep, say). A directory that holds anything else is left alone."""
+    if run_dir.is_dir() and {entry.name for entry in run_dir.iterdir()} <= {HYDRA_SUBDIR}:
+        shutil.rmtree(run_dir / HYDRA_SUBDIR, ignore_errors=True)
         with contextlib.suppress(OSError):
             run_dir.rmdir()
 
 
-def _check_and_launch(cfg: DictConfig) -> float | None:
+HYDRA_SUBDIR = ".hydra"
+
+
+def _hydra_record(cfg: DictConfig) -> dict[str, str]:
+    """What Hydra writes to ``.hydra/`` (the composed config, its own config, the overrides), for the job to write once
+    its checks pass: conf/train.yaml sets ``hydra.output_subdir: null``, as Hydra would write them before the job runs,
+    and a refused relaunch into a run's directory would replace the record of the command that trained it. Empty
+    when the command set ``hydra.output_subdir`` itself: Hydra wrote there (or, null, nothing is wanted)."""
+    hydra_cfg = HydraConfig.get()
+    if any(o.split("=", 1)[0].lstrip("+~") == "hydra.output_subdir" for o in hydra_cfg.overrides.hydra):
+        return {}
+    own = OmegaConf.create({"hydra": OmegaConf.to_container(hydra_cfg)})
+    own.hydra.output_subdir = HYDRA_SUBDIR  # where this record is
+    return {"config.yaml": OmegaConf.to_yaml(cfg), "hydra.yaml": OmegaConf.to_yaml(own),
+            "overrides.yaml": OmegaConf.to_yaml(hydra_cfg.overrides.task)}
+
+
+def _write_hydra_record(run_dir: Path, record: dict[str, str]) -> None:
+    if record:
+        (run_dir / HYDRA_SUBDIR).mkdir(exist_ok=True)
+    for name, text in record.items():
+        (run_dir / HYDRA_SUBDIR / name).write_text(text, encoding="utf-8")
+
+
+def _check_and_launch(cfg: DictConfig, record: dict[str, str]) -> float | None:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir).resolve()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
@@ -168,8 +193,10 @@ def _check_and_launch(cfg: DictConfig) -> float | None:
     train_cfg = check_config(cfg)
     check_rendezvous_endpoint(train_cfg.launch)
     if train_cfg.fault_tolerance.live and train_cfg.fault_tolerance.role == "agent":
+        _write_hydra_record(run_dir, record)
         return _run_agent(train_cfg, run_dir)
     preflight(train_cfg)
+    _write_hydra_record(run_dir, record)
     config_path = run_dir / RESOLVED_CONFIG
     resolved = OmegaConf.structured(train_cfg)
     resolved.dry_run = False  # what the workers run: the dry run's file too, so the command it prints trains this job

@@ -54,8 +54,9 @@ def preflight(cfg: TrainConfig) -> None:
 
 def check_run_dir(cfg: TrainConfig) -> None:
     """The run directory takes files. Hydra makes it before the job runs (the launcher turns its error into one
-    line); one that already existed may still refuse writes (read-only, a full disk: hydra.output_subdir=null writes
-    nothing there first), which would fail later, after the workers started, so a small file is written and removed."""
+    line); one that already existed may still refuse writes (read-only, a full disk: Hydra writes nothing there first,
+    conf/train.yaml sets hydra.output_subdir=null), which would fail later, after the workers started, so a small file
+    is written and removed."""
     run_dir = Path(cfg.run.output_dir) if cfg.run.output_dir else None
     if run_dir is None or not run_dir.is_dir():
         return
