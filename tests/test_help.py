@@ -16,6 +16,7 @@ import decent_train
 import decent_train.algorithms  # noqa: F401  (registers diloco and localsgd)
 from decent_train.config import ALGORITHM_TRAITS, TrainConfig
 from decent_train.launcher import help as help_module
+from decent_train.components.data import DATASET_NAMES, PARTITIONS, READERS, DatasetConfig
 from decent_train.components.launch import LaunchConfig
 from decent_train.launcher.job import _workers, shipped_dir
 
@@ -172,8 +173,8 @@ def test_every_condition_names_a_key_or_group_that_exists() -> None:
     for _, schema in _schemas():
         for key, owner, name in _fields(schema):
             options = set(groups.get(key.partition(".")[0], [])) if "." in key else set()
-            conditions, _ = help_module.split_conditions(help_module.field_docs(owner).get(name, ""), options)
-            for condition_key, _, values in conditions:
+            alternatives, _ = help_module.split_conditions(help_module.field_docs(owner).get(name, ""), options)
+            for condition_key, _, values in (c for conditions in alternatives for c in conditions):
                 parent = key.rpartition(".")[0]
                 if condition_key in groups:
                     wrong = values - set(groups[condition_key])
@@ -204,3 +205,30 @@ def test_the_start_line_and_summary_name_replicas_and_shards(nnodes: int | str, 
                                                              said: str) -> None:
     launch = LaunchConfig(nproc_per_node=4, nnodes=nnodes, rdzv_endpoint="host:29400", rdzv_id="job")
     assert _workers(launch, shard, world_size) == said
+
+
+
+def _dataset_keys(dataset: str, partition: str, **keys: object) -> dict[str, object]:
+    """A dataset's keys with a data directory where it reads one."""
+    root = {"root": "/data"} if dataset in READERS["root"] else {}
+    return {"name": dataset, "partition": partition, **root, **keys}
+
+
+def _taken(**keys: object) -> bool:
+    try:
+        DatasetConfig(**keys)  # type: ignore[arg-type]
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(("dataset", "partition"), [(d, p) for d in DATASET_NAMES for p in PARTITIONS
+                                                    if _taken(**_dataset_keys(d, p))])
+def test_help_shows_split_seed_exactly_where_a_set_one_is_accepted(dataset: str, partition: str) -> None:
+    """``dataset.split_seed`` is read by two datasets and by every fixed partition (an or the help's grammar states as
+    ``digits, synthetic or partition!=iid``); the refusal of an unread key decides it in code of its own. For each
+    pair the config takes, the help lists the key where the key set to another value is accepted, and only there."""
+    accepted = _taken(**_dataset_keys(dataset, partition, split_seed=3))
+    overrides = [f"dataset.{k}={v}" if k != "name" else f"dataset={v}"
+                 for k, v in _dataset_keys(dataset, partition).items()]
+    assert ("dataset.split_seed" in _listed(_help(*overrides, show_all=True))) == accepted

@@ -5,7 +5,8 @@ A key's description is the comment on its field in the schema's dataclasses (``c
 algorithms' ``*Config``), read from their source, so the help and the code say it in one place. A comment may start
 with where its key applies, before a colon: ``cnn, mlp: ...`` (options of the key's own group), ``key=a|b: ...`` (a
 value of a key of the same dataclass, else of the whole config, or a group's choice) or ``key!=a: ...``; every item
-must hold. On a nested dataclass's field it applies to all of its keys. Any other comment applies everywhere.
+must hold, of one alternative where ``or`` separates several (``digits or partition!=iid: ...``). On a nested
+dataclass's field it applies to all of its keys. Any other comment applies everywhere.
 
 Hydra prints the help: conf/train.yaml's ``hydra.help.template`` calls :func:`help_text` through a resolver, with the
 config Hydra composed from the command line, so ``decent-train topology=complete --help`` shows that choice.
@@ -71,8 +72,8 @@ def help_text(root: DictConfig, choices: dict[str, str], groups: dict[str, list[
     ]
     docs = field_docs(TrainConfig)
     for group in [f.name for f in dataclasses.fields(TrainConfig) if f.name in groups]:
-        conditions, _ = split_conditions(docs.get(group, ""), set())
-        if not all(_holds(c, root, where, "") for c in conditions):
+        alternatives, _ = split_conditions(docs.get(group, ""), set())
+        if not _applies(alternatives, root, where, ""):
             continue  # topology and compression where the algorithm does not gossip
         others = [o for o in groups[group] if o != choices.get(group)]
         lines.append(_cut(f"{group}={choices.get(group, '?')}" + (f"  (or {', '.join(others)})" if others else "")))
@@ -102,8 +103,8 @@ def _keys(node: DictConfig, schema: type, where: Where, prefix: str = "", applie
         path = prefix + f.name
         if path in HIDDEN or (f.name == "name" and prefix and prefix.count(".") == 1):
             continue
-        conditions, description = split_conditions(docs.get(f.name, ""), own_options)
-        here = applies and all(_holds(c, node, where, prefix) for c in conditions)
+        alternatives, description = split_conditions(docs.get(f.name, ""), own_options)
+        here = applies and _applies(alternatives, node, where, prefix)
         hint = hints[f.name]
         if f.name == "algorithm" and not prefix:
             hint = ALGORITHM_TRAITS[str(node.algorithm.name)].schema
@@ -119,27 +120,39 @@ def group_options(conf: Path) -> dict[str, list[str]]:
             if d.is_dir() and d.name != "hydra"}
 
 
-def split_conditions(comment: str, group_options: set[str]) -> tuple[list[tuple[str, str, set[str]]], str]:
-    """(conditions, description) of a field's comment: ``cnn, mlp: channels`` -> ([("", "=", {cnn, mlp})],
-    "channels"); a comment without a leading condition -> ([], comment)."""
+Condition = tuple[str, str, set[str]]  # (key, "=" or "!=", values); key "": the options of the key's own group
+
+
+def split_conditions(comment: str, group_options: set[str]) -> tuple[list[list[Condition]], str]:
+    """(alternatives, description) of a field's comment: the key applies where every condition of one alternative
+    holds. ``cnn, mlp: channels`` -> ([[("", "=", {cnn, mlp})]], "channels"); ``digits or partition!=iid: seed`` ->
+    ([[("", "=", {digits})], [("partition", "!=", {iid})]], "seed"); a comment without a leading condition ->
+    ([[]], comment)."""
     head, sep, rest = comment.partition(": ")
     if not sep:
-        return [], comment
-    conditions, own = [], set()
-    for item in (i.strip() for i in head.split(",")):
-        op = "!=" if "!=" in item else "=" if "=" in item else ""
-        if op:
-            key, _, values = item.partition(op)
-            if not key or " " in key or not values or " " in values:
-                return [], comment
-            conditions.append((key, op, set(values.split("|"))))
-        elif item in group_options:
-            own.add(item)
-        else:
-            return [], comment
-    if own:
-        conditions.append(("", "=", own))
-    return conditions, rest
+        return [[]], comment
+    alternatives = []
+    for alternative in head.split(" or "):
+        conditions, own = [], set()
+        for item in (i.strip() for i in alternative.split(",")):
+            op = "!=" if "!=" in item else "=" if "=" in item else ""
+            if op:
+                key, _, values = item.partition(op)
+                if not key or " " in key or not values or " " in values:
+                    return [[]], comment
+                conditions.append((key, op, set(values.split("|"))))
+            elif item in group_options:
+                own.add(item)
+            else:
+                return [[]], comment
+        if own:
+            conditions.append(("", "=", own))
+        alternatives.append(conditions)
+    return alternatives, rest
+
+
+def _applies(alternatives: list[list[Condition]], node: DictConfig, where: Where, prefix: str) -> bool:
+    return any(all(_holds(c, node, where, prefix) for c in conditions) for conditions in alternatives)
 
 
 def _holds(condition: tuple[str, str, set[str]], node: DictConfig, where: Where, prefix: str) -> bool:

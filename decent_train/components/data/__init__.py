@@ -166,7 +166,8 @@ class DatasetConfig:
     root: Optional[str] = None  # npz, cifar10, cifar100, imagefolder, tokens: the data directory
     download: bool = False  # cifar10, cifar100: fetch into root (once, in the launcher) when it is missing
     test_fraction: float = 0.2  # digits: the share held out for evaluation
-    split_seed: int = 0  # digits, synthetic: the seed of the train/test split and the synthetic data (not `seed`)
+    # digits, synthetic or partition!=iid: seeds the train/test split, synthetic data, fixed partitions (not `seed`)
+    split_seed: int = 0
     num_samples: int = 8192  # synthetic: training samples (plus a quarter as many test samples)
     input_shape: list[int] = field(default_factory=lambda: [1, 16, 16])  # synthetic: one sample's shape
     num_classes: int = 10  # synthetic: classes
