@@ -47,6 +47,7 @@ from decent_train.algorithms.outer_exchange import (
 from decent_train.engine.compress import Compressor, check_consensus_step, make_compressor
 from decent_train.engine.ddp import check_engine_arguments
 from decent_train.engine.membership import Membership, TopologySpec, local_part
+from decent_train.engine.topology import Edge
 
 if TYPE_CHECKING:  # FSDP2's modules cost 0.6 s to import: only runs that shard import them
     from torch.distributed.device_mesh import DeviceMesh
@@ -186,9 +187,8 @@ class DiLoCo:
                       for i, ps in enumerate(by_kind.values())]
             self.fragments.append(Fragment(groups))
         if compressor is not None:
-            mine = [e for r in range(self.topology.period) for e in self.topology.edges(r) if e.size > 1]
             for group in self.groups:
-                group.compress(compressor, mine)
+                group.compress(compressor, self._my_groups())
         message_bytes = max(1, int(message_size_in_mb * 2**20)) if message_size_in_mb else 0
         self.exchange = OuterExchange(self.members, self.topology, consensus_step, message_bytes, fault_tolerant)
         self.exchange.check_messages(self.groups, message_size_in_mb)
@@ -197,6 +197,10 @@ class DiLoCo:
         self.outer_steps = 0  # outer steps taken, of all fragments
         self._in_flight: InFlight | None = None
         self._handle: Any = None
+
+    def _my_groups(self) -> list[Edge]:
+        """This worker's groups of two or more over the topology's period (each keeps its compressed copies)."""
+        return [e for r in range(self.topology.period) for e in self.topology.edges(r) if e.size > 1]
 
     @property
     def groups(self) -> list[OuterGroup]:
@@ -311,7 +315,8 @@ class DiLoCo:
         outer steps go on over ``topology`` built over the new members (point to point: no process groups to
         rebuild; rounds still counted by each fragment's ``syncs``, equal on every member), and the anchors and the
         outer optimizer's state become their mean over the members (docs/fault-tolerance.md, "Local steps under
-        live membership": equal already after complete outer steps that missed nothing, equal again otherwise)."""
+        live membership": equal already after complete outer steps that missed nothing, equal again otherwise).
+        Compressed, every member's public copies then restart at the same value (``OuterGroup.restart_copies``)."""
         self.members.refresh(local_world_size)
         self.topology = self.members.topology(topology)
         self.exchange.changed(self.topology)
@@ -321,6 +326,8 @@ class DiLoCo:
                        if isinstance(v, Tensor) and v.is_floating_point() and v.dim() > 0]
         if shared:
             self.members.average_tensors_(shared, "the anchors' and outer state's average at a membership change")
+        for group in self.groups:  # after the mean: the copies restart from the anchors, equal on every member
+            group.restart_copies(self._my_groups())
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:

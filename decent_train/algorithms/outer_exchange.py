@@ -142,6 +142,29 @@ class OuterGroup:
             self.buffers.compressed.reset(self.flat)
             self.release()
 
+    def restart_copies(self, groups: list[Edge]) -> None:
+        """Live membership, at a change (after the anchors' mean): copies for ``groups``, this worker's groups of the
+        new topology, with every public value at ``(anchor, anchor)`` (``x``, LocalSGD's payload, which keeps no
+        anchors: zero, as the engine's copies restart). The old copies cannot go on: a group's ``others`` is one
+        weighted sum, from which a lost member's copy cannot be taken out, and a peer's copy may differ between its
+        holders where its last message reached some of them. The anchors are equal on every member after their mean,
+        so the copies are equal wherever they are held, the joiner's too (it brought none); and the first message
+        after the change carries ``x − anchor``, as small as a steady one, not the whole payload."""
+        compressed = self.buffers.compressed
+        if compressed is None:
+            return
+        if self.store is not None:  # (refused under live: CPU workers keep their outer state in place)
+            raise RuntimeError("restarting offloaded public copies at a membership change is not supported")
+        self.buffers.compressed = restarted = CompressedGossip.create(compressed.compressor, self.flat, groups, None)
+        if self.payload == "x":
+            restarted.reset(None)
+            return
+        first, second = self.views(self.flat)  # flat is scratch until the next exchange's fill
+        self.anchors_into(first)
+        if second:
+            self.anchors_into(second)
+        restarted.reset(self.flat)
+
     def acquire(self, keys: list[Any], others: bool = False) -> None:
         """Offload: the device buffers of an exchange, and device copies of this worker's public copies (``own``)
         of the groups ``keys`` (``CompressedGossip.key``s of this round's stages), which the encode reads as the
