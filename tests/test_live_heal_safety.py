@@ -114,6 +114,7 @@ HEAL_CASES = {  # what fault_tolerance=live runs (config.py _check_live): the en
     "decentralized-int8": {"compression": {"name": "int8"}},
     "streaming-diloco": {"algorithm": {"name": "diloco", "sync_every": 2, "fragments": 2}},
     "localsgd": {"algorithm": {"name": "localsgd", "sync_every": 2}},
+    "diloco-int8": {"algorithm": {"name": "diloco", "sync_every": 2}, "compression": {"name": "int8"}},
 }
 
 
