@@ -22,7 +22,9 @@ the front. Harness: test_live_engine.py's (a forked process per member, a store 
 
 from __future__ import annotations
 
+import signal
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,6 +45,8 @@ from .test_live_engine import (  # noqa: E402  (after the skip: the harness need
     ENGINE_TIMEOUT_S, FOUNDERS, JOINER, SURVIVORS, VICTIM, die, enter_epoch, leave_when_all_finished, loss_of,
     make_model, params_of, run_members,
 )
+from .test_live_launcher import KILL_AT, Signal, at_step, check_trained_to_the_end, launch  # noqa: E402
+from .test_live_launcher import STEPS as LAUNCH_STEPS  # noqa: E402
 
 TOL = 1e-12
 INNER_LR = 0.1
@@ -271,3 +275,17 @@ def test_a_wrong_rule_deviates(run: tuple[str, dict[int, dict[str, Any]]], varia
     case, results = run
     worst = _worst(results, _replay(case, variant))
     assert worst > 1e-6, f"the wrong variant {variant} is within {worst:.3g} of the members"
+
+
+# -- end to end: the launcher's compressed DiLoCo with a worker killed and its replacement healed ----------------------
+@pytest.mark.slow
+def test_compressed_diloco_trains_on_through_a_kill_and_a_replacement(tmp_path: Path) -> None:
+    """``algorithm=diloco algorithm.sync_every=10 compression=int8`` under live: member 2 SIGKILLed after step 200,
+    its replacement healed from a survivor (no public copies: every member restarts them at the change): exit 0, no
+    step repeated, accuracy >= 0.95, members 4 -> 3 -> 4, every outer step taken."""
+    run = launch(tmp_path, "algorithm=diloco", "algorithm.sync_every=10", "compression=int8", "launch.max_restarts=1",
+                 signals=[Signal(at_step(KILL_AT), signal.SIGKILL, [2])])
+    check_trained_to_the_end(run)
+    assert run.members() == [4, 3, 4], f"{run}"
+    outer = [r["outer/step"] for r in run.records if "outer/step" in r]
+    assert outer[-1] == LAUNCH_STEPS // 10, f"outer steps {outer}\n{run}"
