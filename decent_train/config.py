@@ -40,6 +40,7 @@ from decent_train.components.launch import (  # noqa: F401  (the launch schema's
 from decent_train.components.metrics import LoggerConfig
 from decent_train.components.models import ModelConfig
 from decent_train.components.optim import OptimConfig, SchedulerConfig
+from decent_train.components.timeouts import check_timeouts
 from decent_train.engine import ALLREDUCE, reconfigure
 from decent_train.engine.ddp import check_engine_arguments
 from decent_train.engine.node_layout import layout_over_nodes
@@ -226,9 +227,12 @@ class TrainConfig:
     bucket_size_mb: float = 25.0
     # algorithm=decentralized|diloco|localsgd: gossip pairs send a bucket in messages of this size; 0: one message
     message_size_mb: float = 0.0
-    comm_timeout_s: float = 300.0  # a gossip exchange (or the engine's gradient all-reduce) that takes longer fails
-    # Any other collective (checkpoints, evaluation, statistics; first-step compilation skew) may take this long:
-    pg_timeout_s: float = 1800.0  # the process group's timeout
+    # a gossip exchange (or the engine's gradient all-reduce) that takes longer fails; at most pg_timeout_s on gloo
+    # unless fault_tolerance=live (gloo ends an all-reduce at the group's timeout: docs/fault-tolerance.md)
+    comm_timeout_s: float = 300.0
+    # the process group's timeout: any other collective (checkpoints, evaluation, statistics; first-step compilation
+    # skew) may take this long
+    pg_timeout_s: float = 1800.0
     # algorithm=decentralized: a schedule of algorithms; empty: `algorithm` throughout
     phases: list[PhaseConfig] = field(default_factory=list)
     # algorithm=decentralized: replace every worker's model by the global average every k steps; 0: never
@@ -262,6 +266,8 @@ class TrainConfig:
                                 ("pg_timeout_s", self.pg_timeout_s <= 0, "> 0")):
             if bad:
                 raise ValueError(f"{key}={getattr(self, key)} must be {valid}")
+        check_timeouts(self.comm_timeout_s, self.pg_timeout_s, traits.gossips and self.launch.device != "cuda",
+                       self.fault_tolerance.live, self.fault_tolerance.detect_s)
         if self.compression.name != "none" and not traits.gossips:
             raise ValueError(
                 f"compression={self.compression.name} compresses gossip; algorithm={self.algorithm.name} does not "

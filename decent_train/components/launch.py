@@ -141,7 +141,9 @@ class FaultToleranceConfig:
     replacement heals from a live peer (``training/live.py``; the design: ``docs/fault-tolerance.md``)."""
 
     name: str = "none"
-    detect_s: float = 10.0  # live: a worker or a node silent this long (hung, stopped, cut off) is declared dead
+    # live: a worker or a node silent this long (hung, stopped, cut off) is declared dead; at least 1 s (a healthy
+    # member ending its run is silent longer than its 0.1 s beat)
+    detect_s: float = 10.0
     min_workers: int = 1  # live: below this many the run stops, with a checkpoint
     # live: what this launch runs. both: the coordinator (the store and the plans) and this node's agent (its
     # workers); coordinator: the coordinator alone (a host that does not train); agent: this node's agent, for the
