@@ -141,7 +141,7 @@ class FaultToleranceConfig:
     replacement heals from a live peer (``training/live.py``; the design: ``docs/fault-tolerance.md``)."""
 
     name: str = "none"
-    # live: a worker or a node silent this long (hung, stopped, cut off) is declared dead; at least 1 s (a healthy
+    # live: a worker or a node silent this long (hung, stopped, cut off) is declared dead; at least 2 s (a healthy
     # member ending its run is silent longer than its 0.1 s beat)
     detect_s: float = 10.0
     min_workers: int = 1  # live: below this many the run stops, with a checkpoint
