@@ -371,8 +371,6 @@ class TrainConfig:
              f"steps; use algorithm={_having('live')}"),
             (local_steps and getattr(self.algorithm, "fragment_sync_delay", 0) > 0, f"algorithm={name} with "
              "algorithm.fragment_sync_delay > 0: an exchange in flight across a change is next; leave it 0"),
-            (local_steps and self.compression.name != "none", f"compression={self.compression.name} with algorithm="
-             f"{name}: settling a missed compressed outer message is next; use compression=none"),
             (local_steps and getattr(self.algorithm, "offload", None) is True, f"algorithm={name} with "
              "algorithm.offload=true: CPU workers keep their outer state in place; leave algorithm.offload=null"),
             (bool(self.phases), "phases: an all-reduce phase needs every worker; leave phases empty"),
