@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from decent_train.components.timeouts import MIN_DETECT_S
 from decent_train.config import TrainConfig, check_config
 from decent_train.engine import reconfigure
 from decent_train.launcher.coordinator import Coordinator, NodeKeys
@@ -36,7 +37,7 @@ from decent_train.training.live import HEARTBEAT_S, MEMBER_ENV, PAUSE_ENV, Keys,
 from .jobs import COMMAND, records
 from .test_elastic import alive, stopped
 
-DETECT_S = 0.5
+DETECT_S = MIN_DETECT_S  # the shortest that the config takes (components/timeouts.py)
 
 
 def _cfg(nnodes: int | str, nproc: int = 2, detect_s: float = DETECT_S, **extra: Any) -> TrainConfig:
@@ -101,7 +102,7 @@ def _commit(coordinator: Coordinator) -> None:
 
 
 def _steps_until(coordinator: Coordinator, beating: list[FakeAgent], done: Callable[[], bool],
-                 limit_s: float = 5.0) -> None:
+                 limit_s: float = DETECT_S + 5.0) -> None:
     """Run the coordinator's looks while ``beating`` agents beat, until ``done()``."""
     deadline = time.monotonic() + limit_s
     while not done():
