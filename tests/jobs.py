@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -68,6 +69,13 @@ def start(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subproces
 
 def check_succeeded(proc: subprocess.CompletedProcess[str]) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a store or a rendezvous the test starts)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def worker_pids(run_dir: Path) -> dict[int, int]:

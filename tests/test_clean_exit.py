@@ -20,7 +20,6 @@ on 2 cores, where the imports of 4 processes take most of it).
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -28,17 +27,13 @@ from pathlib import Path
 
 import pytest
 
+from .jobs import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "user_scripts" / "decent_dp_style.py"
 WORLD = 4
 LAUNCHES = int(os.environ.get("DT_CLEAN_EXIT_LAUNCHES", 12))
 AS_USERS_RUN_EVERY = 4  # launch 3, 7, 11, ...: default scheduling
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _starve_gloo_threads(procs: list[subprocess.Popen], starved: set[tuple[int, int]]) -> None:
@@ -66,7 +61,7 @@ def _launch(
 ) -> tuple[list[tuple[int, str]], int]:
     """Run the script on WORLD ranks: each rank's (exit status, end of its stderr), and how many gloo worker threads
     were starved. A rank still running after ``timeout`` is killed."""
-    port = _free_port()
+    port = free_port()
     cpus = sorted(os.sched_getaffinity(0))
     pythonpath = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     procs, errs = [], []

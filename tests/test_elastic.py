@@ -10,7 +10,6 @@ import math
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from decent_train.config import LaunchConfig, check_config, node_range
 from decent_train.launcher.job import shipped_dir
 from decent_train.launcher.launch import torchrun_command
 
-from .jobs import COMMAND, check_succeeded
+from .jobs import COMMAND, check_succeeded, free_port
 from .test_slurm import SBATCH_SCRIPT, script_env
 
 ELASTIC = {"nnodes": "1:2", "rdzv_endpoint": "node1:29400", "rdzv_id": "job7"}
@@ -157,12 +156,6 @@ JOB = [
     # that misses it joins the running one, which restarts its workers: slower, still a pass).
     "launch.rdzv_keep_alive_s=1", "launch.rdzv_last_call_s=3",
 ]  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def listening_pid(port: int, candidates: list[int]) -> int:

@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,7 +33,7 @@ from decent_train.engine import reconfigure
 from decent_train.launcher.coordinator import Coordinator, NodeKeys
 from decent_train.training.live import HEARTBEAT_S, MEMBER_ENV, PAUSE_ENV, Keys, Plan
 
-from .jobs import COMMAND, records
+from .jobs import COMMAND, free_port, records
 from .test_elastic import alive, stopped
 
 DETECT_S = MIN_DETECT_S  # the shortest that the config takes (components/timeouts.py)
@@ -309,12 +308,6 @@ KILL_AT = 150
 TIMEOUT_S = 420
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _records_written(run_dir: Path) -> dict[int, float]:
     """step -> the wall time rank 0 logged its record (logs/member<k>.log, whichever member was rank 0 then)."""
     written: dict[int, float] = {}
@@ -331,7 +324,7 @@ class Cluster:
 
     def __init__(self, tmp_path: Path, *job: str) -> None:
         self.tmp_path, self.run_dir = tmp_path, tmp_path / "run"
-        self.endpoint = f"127.0.0.1:{_free_port()}"
+        self.endpoint = f"127.0.0.1:{free_port()}"
         self.agents: list[subprocess.Popen[bytes]] = []
         self.coordinator = self._start("coordinator", "fault_tolerance.role=coordinator", *job,
                                        f"hydra.run.dir={self.run_dir}")

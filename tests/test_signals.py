@@ -31,7 +31,7 @@ from decent_train.components.checkpoint import complete_checkpoints
 from decent_train.launcher.supervisor import WORKERS_FILE
 from decent_train.training.stop import EXIT_STOPPED, STOP_FILE
 
-from .jobs import COMMAND, start, worker_pids
+from .jobs import COMMAND, free_port, start, worker_pids
 from .test_elastic import alive
 
 pytestmark = pytest.mark.slow
@@ -169,7 +169,6 @@ def test_signals_stop_with_a_checkpoint_and_resume_to_the_uninterrupted_model(tm
         assert torch.equal(ended[key], oracle[key]), key
 
 
-
 def test_a_signal_while_the_workers_start_stops_them_with_a_checkpoint(tmp_path: Path) -> None:
     """SIGTERM (SLURM's preemption) to the launcher as it starts the workers, before any of them can be signalled:
     the launcher leaves the stop beside the config (training/stop.py: REQUEST_FILE) and every worker takes it when its
@@ -225,7 +224,7 @@ def test_sigterm_ends_a_coordinator_waiting_for_its_nodes(tmp_path: Path) -> Non
     """A live coordinator whose node agents never came (a typo in the agents' command, a job not yet scheduled) stops
     on SIGTERM within a second, with one line and 128 + 15; before, it ignored the signal and waited out
     ``pg_timeout_s`` (measured: still waiting 10 minutes after ``timeout 60`` sent SIGTERM)."""
-    port = _free_port()
+    port = free_port()
     proc = start("fault_tolerance=live", "fault_tolerance.role=coordinator", f"launch.rdzv_endpoint=127.0.0.1:{port}",
                  "logger.wandb.mode=disabled", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     try:
@@ -245,9 +244,3 @@ def test_sigterm_ends_a_coordinator_waiting_for_its_nodes(tmp_path: Path) -> Non
     finally:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -23,14 +22,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from decent_train.components.checks import as_written
 from decent_train.components.timeouts import MIN_DETECT_S
 from decent_train.config import TrainConfig, check_config
 from decent_train.engine.ddp import DecentralizedDataParallel
 
-from .jobs import decent_train
+from .jobs import decent_train, free_port
 from .test_gpu_readiness import mlp, train
 
 ALLREDUCE_PHASE = [{"algorithm": "allreduce", "steps": None}]  # the engine's gradient all-reduce, from the start
@@ -107,12 +105,6 @@ def _all_reduce_with_a_hung_peer(rank: int, port: int, comm: float, pg: float, p
     os._exit(0)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.mark.parametrize("comm, pg", [(4.0, 1.5), (1.5, 4.0), (2.0, 2.0)], ids=["comm-above-pg", "below", "equal"])
 def test_an_accepted_all_reduce_fails_at_comm_timeout_s_naming_it(tmp_path: Path, comm: float, pg: float) -> None:
     """Where the config accepts the pair, the engine's all-reduce with a hung peer fails after ``comm_timeout_s``,
@@ -123,7 +115,7 @@ def test_an_accepted_all_reduce_fails_at_comm_timeout_s_naming_it(tmp_path: Path
         assert comm > pg and str(refused).startswith(f"comm_timeout_s={comm} must be <= pg_timeout_s={pg}")
         return
     ctx = multiprocessing.get_context("fork")
-    port, outcome = _free_port(), tmp_path / "rank0.json"
+    port, outcome = free_port(), tmp_path / "rank0.json"
     procs = [ctx.Process(target=_all_reduce_with_a_hung_peer, args=(r, port, comm, pg, str(tmp_path / f"rank{r}.json")))
              for r in range(2)]
     for proc in procs:
