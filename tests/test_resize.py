@@ -96,6 +96,71 @@ def test_workers_start_from_the_average_of_another_world_size(tmp_path: Path, ne
         assert result["copies_equal_flat"] and result["pending"] == [None] * len(result["pending"])
 
 
+def _save_own_state(rank: int, world: int, run_dir: Path, odd_file: int) -> None:
+    """A state that differs per rank in every value: floats of two dtypes, an integer tensor, a Python number;
+    ``odd_file``'s rank saves one tensor of another shape."""
+    generator = torch.Generator().manual_seed(rank)
+    shape = (4,) if rank == odd_file else (3,)
+    state = {"model": {"w": torch.randn(shape, generator=generator, dtype=torch.float64),
+                       "b": torch.randn(2, 2, generator=generator)},
+             "algorithm": {"counts": torch.tensor([rank, 7]), "step": rank}}
+    save_checkpoint(run_dir, 5, state, "ring", MODEL, keep=1)
+
+
+def _load_recording_reads(rank: int, world: int, run_dir: Path) -> dict[str, Any]:
+    """The averaged state this worker loads, and the checkpoint files it opened (Python's audit events)."""
+    import sys
+
+    from loguru import logger
+
+    logger.remove()
+    opened: set[str] = set()
+
+    def record(event: str, args: tuple[Any, ...]) -> None:
+        if event == "open" and isinstance(args[0], (str, Path)) and Path(args[0]).name.startswith("rank"):
+            opened.add(Path(args[0]).name)
+
+    sys.addaudithook(record)  # this forked worker's own: it ends with the process
+    try:
+        _, state = load_latest_checkpoint([run_dir], "ring", MODEL)
+    except ValueError as error:
+        return {"error": str(error)}
+    assert state is not None
+    return {"state": state, "opened": opened}
+
+
+@pytest.mark.parametrize("new_world", [3, 8])
+def test_each_saved_file_is_read_by_one_worker(tmp_path: Path, new_world: int) -> None:
+    """M workers continuing 4 workers' checkpoint read each file once in all (file k by worker k mod M), not each
+    worker all 4; every one starts from the average of the 4 files (floats, summed in float64 and in their dtype) and
+    file 0's other values, computed here from the files."""
+    run_workers(_save_own_state, 4, tmp_path, odd_file=-1)
+    (checkpoint,) = complete_checkpoints(tmp_path)
+    saved = [torch.load(checkpoint.path / f"rank{r}.pt", weights_only=True) for r in range(4)]
+    loaded = run_workers(_load_recording_reads, new_world, tmp_path)
+
+    readers = {f"rank{r}.pt": [w for w, result in enumerate(loaded) if f"rank{r}.pt" in result["opened"]]
+               for r in range(4)}
+    assert readers == {f"rank{r}.pt": [r % new_world] for r in range(4)}
+    for result in loaded:
+        state = result["state"]
+        for name in ("w", "b"):
+            mean = torch.stack([s["model"][name].double() for s in saved]).mean(0)
+            assert state["model"][name].dtype == saved[0]["model"][name].dtype
+            assert (state["model"][name].double() - mean).abs().max().item() <= (1e-12 if name == "w" else 1e-6)
+        assert state["averaged_from"] == 4
+        assert torch.equal(state["algorithm"]["counts"], torch.tensor([0, 7])) and state["algorithm"]["step"] == 0
+
+
+def test_a_file_of_another_layout_is_refused_on_every_worker(tmp_path: Path) -> None:
+    """File 1 holds a tensor of another shape and is read by worker 1 of 3 alone (its only file): every worker stops
+    with the same line naming it, none left waiting in the all-reduce."""
+    run_workers(_save_own_state, 4, tmp_path, odd_file=1)
+    loaded = run_workers(_load_recording_reads, 3, tmp_path, timeout=60.0)
+    assert [result.get("error") for result in loaded] == \
+        ["checkpoint file 1 holds a state of another layout than file 0's"] * 3
+
+
 def test_resharded_data_continues_the_epoch_where_the_old_workers_stopped() -> None:
     """What N workers took of an epoch is a prefix of its shuffled order; M workers go on from the end of that prefix
     (skipping fewer than one of their global micro-batches), in the same epoch."""

@@ -33,9 +33,10 @@ from torch.distributed.tensor import DTensor
 
 from decent_train.algorithms.local_steps_algorithms import DiLoCoAlgorithm, FrontAlgorithm, LocalSGDAlgorithm
 from decent_train.algorithms.step_gossip import Gossip
-from decent_train.components.checkpoint import ShardedState, floating_tensors
+from decent_train.components.checkpoint import ShardedState
 from decent_train.components.metrics import ConsensusProbe
 from decent_train.components.models import shard_units
+from decent_train.components.state_average import floating_tensors
 from decent_train.config import TrainConfig
 from decent_train.engine.membership import average_tensors_, local_part
 from decent_train.engine.optimizers import LRSchedulerFn

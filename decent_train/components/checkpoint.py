@@ -10,9 +10,10 @@ sees), all ranks fall back to the previous complete checkpoint, with a warning n
 state that holds NaN or inf is never saved: training stops there instead (``NonFiniteState``), keeping the checkpoints
 before it.
 
-At another world size (M workers continuing N workers' checkpoint) every worker reads all N files, one at a time, and
-starts from their average: the floating-point tensors are summed in float64 as the files stream by (one file and the
-sums in memory, never N states), everything else is taken from rank 0's file.
+At another world size (M workers continuing N workers' checkpoint) every worker starts from the files' average: the
+floating-point tensors summed in float64 (components/state_average.py), everything else taken from rank 0's file.
+Each file is read by one worker, which sums its share as the files stream by (one file and the sums in memory, never
+N states), and one all-reduce adds the shares: N files read and hashed once in all, not once by each worker.
 
 A sharded model (``parallel.shard``: FSDP2) saves its model and optimizer state with torch.distributed.checkpoint,
 one DCP checkpoint per replica (``replica<r>/``, written by the replica's ranks); each rank's file holds the rest. The
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
+from decent_train.components.state_average import StateSum, named_floats, sum_across_workers
 from decent_train.engine.comm import peers_must_answer
 
 CHECKPOINTS = "checkpoints"
@@ -262,7 +264,7 @@ def nonfinite_tensor(state: Any) -> Optional[tuple[str, str]]:
     on NaN (or, an Adam moment at inf, silently freezes its weights), so it is treated like a corrupt file. One min/max
     reduction per tensor and one host sync per device; a sharded tensor: this rank's shard."""
     named = [(name, t.to_local() if hasattr(t, "to_local") else t)  # a DTensor: this rank's shard
-             for name, t in _named_floats(state, "") if t.numel()]
+             for name, t in named_floats(state) if t.numel()]
     by_device: dict[torch.device, list[int]] = {}
     for index, (_, tensor) in enumerate(named):
         by_device.setdefault(tensor.device, []).append(index)
@@ -279,20 +281,6 @@ def nonfinite_tensor(state: Any) -> Optional[tuple[str, str]]:
 def _reducible(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``, or a float32 copy of a float8 one (torch has no ``aminmax`` for float8); NaN and inf propagate."""
     return tensor.float() if tensor.element_size() == 1 else tensor
-
-
-def _named_floats(obj: Any, name: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for each floating-point tensor of a nested state, in a fixed order (:func:`floating_tensors`':
-    dict keys as they are, list items in order; the name is the keys to it, joined by dots)."""
-    if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point():
-            yield name, obj
-    elif isinstance(obj, dict):
-        for key, value in obj.items():
-            yield from _named_floats(value, f"{name}.{key}" if name else str(key))
-    elif isinstance(obj, (list, tuple)):
-        for index, item in enumerate(obj):
-            yield from _named_floats(item, f"{name}.{index}" if name else str(index))
 
 
 def _nonfinite_file(path: Path, state: Any) -> str:
@@ -439,63 +427,31 @@ Prepare = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 def _read_averaged(checkpoint: Checkpoint, prepare: Prepare) -> tuple[Optional[dict[str, Any]], str]:
-    """The average of every rank's ``prepare``d state, reading the files one at a time; None and why if one is bad."""
-    problems: list[str] = []
-
-    def states() -> Iterator[dict[str, Any]]:
-        for rank in range(checkpoint.world_size):
-            state, why = _read_file(checkpoint, rank)
-            if state is None:
-                problems.append(why)
-                return
-            yield prepare(state)
-
-    try:
-        average: Optional[dict[str, Any]] = average_states(states())
-    except ValueError:  # "no state to average" when rank 0's file is the bad one; else another layout
-        if not problems:
-            raise
-        average = None
-    return (None, problems[0]) if problems else (average, "")
-
-
-def average_states(states: Iterator[dict[str, Any]]) -> dict[str, Any]:
-    """The mean of each floating-point tensor over ``states`` (nested dicts, lists and tuples of the same layout),
-    summed in float64 and returned in its dtype; everything else (step counts as integers, schedules, the scaler) as
-    in the first state."""
-    first: Any = None
-    sums: list[torch.Tensor] = []
-    count = 0
-    for state in states:
-        floats = floating_tensors(state)
-        if first is None:
-            first, sums = state, [t.to(torch.float64, copy=True) for t in floats]
-        elif len(floats) != len(sums) or any(a.shape != b.shape for a, b in zip(floats, sums)):
-            raise ValueError(f"checkpoint file {count} holds a state of another layout than file 0's")
-        else:
-            for total, value in zip(sums, floats):
-                total.add_(value)
-        count += 1
-    if first is None:
-        raise ValueError("no state to average")
-    means = iter([total.div_(count).to(t.dtype) for total, t in zip(sums, floating_tensors(first))])
-    return _with_floats(first, means)
-
-
-def floating_tensors(obj: Any) -> list[torch.Tensor]:
-    """The floating-point tensors of a nested state, in a fixed order."""
-    return [t for _, t in _named_floats(obj, "")]
-
-
-def _with_floats(obj: Any, values: Iterator[torch.Tensor]) -> Any:
-    """``obj`` with its floating-point tensors replaced, in :func:`floating_tensors`' order, by ``values``."""
-    if isinstance(obj, torch.Tensor):
-        return next(values) if obj.is_floating_point() else obj
-    if isinstance(obj, dict):
-        return {key: _with_floats(value, values) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_with_floats(item, values) for item in obj)
-    return obj
+    """The average of every saved rank's ``prepare``d state; None and why if a file is bad (on every worker). Each
+    file is read by one worker (file k by worker k mod M, one at a time), and the float64 sums are all-reduced:
+    N files read once in all. Collective; a file whose state has another layout than file 0's is a ``ValueError``."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine, why, stray = StateSum(), "", None
+    for index in range(rank, checkpoint.world_size, world):
+        state, why = _read_file(checkpoint, index)
+        if state is None:
+            break
+        if not mine.add(prepare(state)):
+            stray = index
+            break
+    first = (mine.skeleton, mine.layout) if rank == 0 and mine.count else None  # file 0: everything but the floats
+    shares: list[Any] = [None] * world
+    with peers_must_answer(f"averaging checkpoint {checkpoint.path.name} (gathering what each rank read)"):
+        dist.all_gather_object(shares, (why, mine.layout, stray, first))
+    problems = [share[0] for share in shares if share[0]]
+    if problems:
+        return None, problems[0]
+    skeleton, reference = shares[0][3]
+    for r, (_, own, stray, _) in enumerate(shares):  # own: the layout of file r, the first that rank r read
+        odd = r if own and own != reference else stray
+        if odd is not None:
+            raise ValueError(f"checkpoint file {odd} holds a state of another layout than file 0's")
+    return sum_across_workers(mine, StateSum(skeleton, reference)).mean(), ""
 
 
 def load_latest_checkpoint(

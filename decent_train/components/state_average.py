@@ -1,0 +1,115 @@
+"""The mean of several saved states (nested dicts, lists and tuples of tensors, the same layout in each), summed in
+float64: what an averaged resume starts every worker from.
+
+The sum is split between the workers: each sums its share of the states and one all-reduce adds the shares, so that
+N checkpoint files are read (and hashed) once in all, not once by each of M workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from decent_train.engine.comm import peers_must_answer
+
+ALL_REDUCE_ELEMENTS = 1 << 24  # float64 elements per all-reduce (128 MiB): the device holds one such chunk at a time
+Layout = list[tuple[tuple[int, ...], torch.dtype]]
+
+
+def named_floats(obj: Any, name: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for each floating-point tensor of a nested state, in a fixed order (:func:`floating_tensors`':
+    dict keys as they are, list items in order; the name is the keys to it, joined by dots)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point():
+            yield name, obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from named_floats(value, f"{name}.{key}" if name else str(key))
+    elif isinstance(obj, (list, tuple)):
+        for index, item in enumerate(obj):
+            yield from named_floats(item, f"{name}.{index}" if name else str(index))
+
+
+def floating_tensors(obj: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of a nested state, in a fixed order."""
+    return [t for _, t in named_floats(obj)]
+
+
+def with_floats(obj: Any, values: Iterator[torch.Tensor]) -> Any:
+    """``obj`` with its floating-point tensors replaced, in :func:`floating_tensors`' order, by ``values``."""
+    if isinstance(obj, torch.Tensor):
+        return next(values) if obj.is_floating_point() else obj
+    if isinstance(obj, dict):
+        return {key: with_floats(value, values) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(with_floats(item, values) for item in obj)
+    return obj
+
+
+def layout(state: Any) -> Layout:
+    """The shape and dtype of each floating-point tensor of ``state``: what states averaged together share."""
+    return [(tuple(t.shape), t.dtype) for t in floating_tensors(state)]
+
+
+@dataclass
+class StateSum:
+    """The float64 sums of the floating-point tensors of the states added so far, and the first state's layout (its
+    other values, the floats left out, are what the average keeps: step counts, schedules, the scaler)."""
+
+    skeleton: Any = None  # the first state with its floating-point tensors on the meta device
+    layout: Layout = field(default_factory=list)
+    sums: list[torch.Tensor] = field(default_factory=list)
+    count: int = 0
+
+    def add(self, state: Any) -> bool:
+        """Add ``state``; False (nothing added) if its layout differs from the first state's."""
+        floats = floating_tensors(state)
+        if self.count == 0:
+            self.skeleton = with_floats(state, iter([t.to("meta") for t in floats]))
+            self.layout, self.sums = layout(state), [t.to(torch.float64, copy=True) for t in floats]
+        elif layout(state) != self.layout:
+            return False
+        else:
+            for total, value in zip(self.sums, floats):
+                total.add_(value)
+        self.count += 1
+        return True
+
+    def mean(self) -> Any:
+        """The average: the first state with each floating-point tensor the mean, in its own dtype."""
+        means = [total.div(self.count).to(dtype) for total, (_, dtype) in zip(self.sums, self.layout)]
+        return with_floats(self.skeleton, iter(means))
+
+
+def sum_across_workers(mine: StateSum, first: StateSum) -> StateSum:
+    """Every worker's ``mine`` added up (an all-reduce of the float64 sums, in chunks): each worker holds the same
+    total after it. ``first`` is the share that holds the first state (its skeleton and layout, every worker's copy);
+    a worker without a share adds zeros. Collective; every share's layout must be ``first``'s."""
+    sums = mine.sums or [torch.zeros(shape, dtype=torch.float64) for shape, _ in first.layout]
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in dist.get_backend() else torch.device("cpu")
+    counts = torch.tensor([float(mine.count)], dtype=torch.float64)
+    for chunk in [[counts], *_chunks(sums, ALL_REDUCE_ELEMENTS)]:
+        flat = torch.cat([t.reshape(-1) for t in chunk]).to(device)  # one copy, on the device NCCL needs
+        with peers_must_answer("averaging a checkpoint's states (the all-reduce of their sums)"):
+            dist.all_reduce(flat)
+        for total, value in zip(chunk, flat.cpu().split([t.numel() for t in chunk])):
+            total.copy_(value.view_as(total))
+    return StateSum(first.skeleton, first.layout, sums, int(counts.item()))
+
+
+def _chunks(tensors: list[torch.Tensor], elements: int) -> Iterator[list[torch.Tensor]]:
+    """``tensors`` in consecutive groups of at most ``elements`` elements (a larger tensor alone)."""
+    group: list[torch.Tensor] = []
+    size = 0
+    for tensor in tensors:
+        if group and size + tensor.numel() > elements:
+            yield group
+            group, size = [], 0
+        group.append(tensor)
+        size += tensor.numel()
+    if group:
+        yield group
