@@ -222,10 +222,19 @@ def test_every_ranks_batchnorm_statistics_are_in_the_checkpoint(tmp_path: Path) 
 # -- 2. averaged resume at another number of replicas ---------------------------------------------------------------
 def _held_before_the_final_average(rank: int, world: int, cfg: Any) -> dict[str, Any]:
     """Train ``cfg``; what this rank's replica holds (model and optimizer state, gathered whole) when training has
-    ended, before the final average of the replicas. (Patched in this forked worker only.)"""
+    ended, before the final average of the replicas, and the saved replicas' folders it opened a file in (Python's
+    audit events). (Patched in this forked worker only.)"""
+    import sys
+
     from decent_train.algorithms.sharded import ShardedGossip
 
-    held: dict[str, Any] = {}
+    held: dict[str, Any] = {"opened": set()}
+
+    def record(event: str, args: tuple[Any, ...]) -> None:
+        if event == "open" and isinstance(args[0], (str, Path)) and Path(args[0]).parent.name.startswith("replica"):
+            held["opened"].add(Path(args[0]).parent.name)
+
+    sys.addaudithook(record)  # this forked worker's own: it ends with the process
     average = ShardedGossip.average
 
     def capture_then_average(self: ShardedGossip) -> None:
@@ -276,6 +285,12 @@ def test_other_replicas_continue_from_the_mean_of_two(
     assert max((saved[0]["model"][n] - saved[1]["model"][n]).abs().max().item() for n in params) > 1e-4
     for rank, state in enumerate(held):
         _assert_same(state["model"], mean, list(mean))  # each replica loaded exactly the mean
+    replicas = workers // shard
+    if replicas > 1:  # saved replica k is read (hashed, loaded) by new replica k alone, and replica 2 (no share)
+        # loads replica 0 for its step counts: 3 reads, not 6
+        readers = {f"replica{k}": {r // shard for r, state in enumerate(held) if f"replica{k}" in state["opened"]}
+                   for k in range(2)}
+        assert readers == {"replica0": {0, 2}, "replica1": {1}}
     final = torch.load(run_dir / MODEL_FILE)
     assert final.keys() == mean.keys()
     for name in mean:
@@ -325,7 +340,7 @@ def test_truncated_dcp_shard_falls_back_to_the_checkpoint_before(
     uninterrupted: Callable[[str], Path], tmp_path: Path, workers: int
 ) -> None:
     """Half of one DCP shard file of the newest checkpoint (rank 3's: replica 1, shard 1) is cut off: every rank
-    resumes from step 4 instead (4 workers: each checks its own files; 6: every rank reads all 4 saved ranks')."""
+    resumes from step 4 instead (4 workers: each checks its own files; 6: rank k < 4 reads saved rank k's)."""
     whole = uninterrupted("mlp")
     source = tmp_path / "source"
     shutil.copytree(whole / "checkpoints", source / "checkpoints")

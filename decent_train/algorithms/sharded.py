@@ -36,7 +36,7 @@ from decent_train.algorithms.step_gossip import Gossip
 from decent_train.components.checkpoint import ShardedState
 from decent_train.components.metrics import ConsensusProbe
 from decent_train.components.models import shard_units
-from decent_train.components.state_average import floating_tensors
+from decent_train.components.state_average import all_reduce_in_chunks, floating_tensors
 from decent_train.config import TrainConfig
 from decent_train.engine.membership import average_tensors_, local_part
 from decent_train.engine.optimizers import LRSchedulerFn
@@ -176,29 +176,44 @@ class ShardedFront(FrontAlgorithm):
     def load_sharded_state(self, directory: Path, replicas: list[int]) -> None:
         """The model and optimizer state from the DCP checkpoints of ``replicas`` in ``directory`` (several: their
         average, in float64 as the other algorithms' averaged resume; a replica's may have been saved with another
-        number of shards: DCP reshards). Before ``load_state_dict``: nothing may be in flight."""
+        number of shards: DCP reshards). Before ``load_state_dict``: nothing may be in flight.
+
+        Averaged by several replicas, each loads its share (saved replica k by replica k mod R) and one all-reduce
+        over the ranks of its position adds the shares: a saved replica is read by one replica, not by every one. A
+        replica without a share loads one for what is not averaged (integer step counts) and adds zeros."""
+        members = self.front.members
+        split = len(replicas) > 1 and members.replicas > 1
+        mine = replicas[members.replica::members.replicas] if split else replicas
         with self.front.suspended():  # DCP's optimizer-state template steps the optimizer once (lr 0): not a step
             sums: list[Tensor] = []
-            for replica in replicas:
-                state = self._dcp_state()
-                folder = directory / f"replica{replica}"
-                outer = {"outer": state.pop("outer")} if "outer" in state else {}
-                dcp.load(state, checkpoint_id=folder, process_group=self.shard_group)
-                if outer:  # partial: a fragment not synced yet had no momentum (the template's zeros act alike)
-                    dcp.load(outer, checkpoint_id=folder, process_group=self.shard_group,
-                             planner=DefaultLoadPlanner(allow_partial_load=True))
-                    state |= outer
+            for replica in mine or [replicas[members.replica % len(replicas)]]:
+                state = self._loaded_state(directory / f"replica{replica}")
                 floats = floating_tensors(state)
                 if not sums:
                     sums = [local_part(t).to(torch.float64, copy=True) for t in floats]
+                    if not mine:
+                        torch._foreach_zero_(sums)
                 else:
                     for total, value in zip(sums, floats):
                         total.add_(local_part(value))
+            if split:
+                all_reduce_in_chunks(sums, f"averaging the saved replicas' states (from {directory})",
+                                     group=members.data_group, timeout=members.timeout)
             for total, value in zip(sums, floats):
                 local_part(value).copy_(total.div_(len(replicas)))
             set_state_dict(self.net, self.inner, model_state_dict=state["model"], optim_state_dict=state["optim"])
             if "outer" in state:
                 set_optimizer_state_dict(self.net, self.front.outer, state["outer"])
+
+    def _loaded_state(self, folder: Path) -> dict[str, Any]:
+        """The sharded tensors (views of the live ones) with ``folder``'s DCP checkpoint loaded into them."""
+        state = self._dcp_state()
+        outer = {"outer": state.pop("outer")} if "outer" in state else {}
+        dcp.load(state, checkpoint_id=folder, process_group=self.shard_group)
+        if outer:  # partial: a fragment not synced yet had no momentum (the template's zeros act alike)
+            dcp.load(outer, checkpoint_id=folder, process_group=self.shard_group,
+                     planner=DefaultLoadPlanner(allow_partial_load=True))
+        return state | outer
 
 
 class ShardedGossip(ShardedFront):

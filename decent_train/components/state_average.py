@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -86,19 +87,30 @@ class StateSum:
 
 
 def sum_across_workers(mine: StateSum, first: StateSum) -> StateSum:
-    """Every worker's ``mine`` added up (an all-reduce of the float64 sums, in chunks): each worker holds the same
-    total after it. ``first`` is the share that holds the first state (its skeleton and layout, every worker's copy);
-    a worker without a share adds zeros. Collective; every share's layout must be ``first``'s."""
+    """Every worker's ``mine`` added up: each worker holds the same total after it. ``first`` is the share that holds
+    the first state (its skeleton and layout, every worker's copy); a worker without a share adds zeros. Collective;
+    every share's layout must be ``first``'s."""
     sums = mine.sums or [torch.zeros(shape, dtype=torch.float64) for shape, _ in first.layout]
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in dist.get_backend() else torch.device("cpu")
     counts = torch.tensor([float(mine.count)], dtype=torch.float64)
-    for chunk in [[counts], *_chunks(sums, ALL_REDUCE_ELEMENTS)]:
-        flat = torch.cat([t.reshape(-1) for t in chunk]).to(device)  # one copy, on the device NCCL needs
-        with peers_must_answer("averaging a checkpoint's states (the all-reduce of their sums)"):
-            dist.all_reduce(flat)
-        for total, value in zip(chunk, flat.cpu().split([t.numel() for t in chunk])):
-            total.copy_(value.view_as(total))
+    all_reduce_in_chunks([counts, *sums], "averaging a checkpoint's states (the all-reduce of their sums)")
     return StateSum(first.skeleton, first.layout, sums, int(counts.item()))
+
+
+def all_reduce_in_chunks(
+    tensors: list[torch.Tensor], what: str, group: dist.ProcessGroup | None = None, timeout: timedelta | None = None
+) -> None:
+    """Sum ``tensors`` (all on one device) over ``group``'s ranks in place, ``ALL_REDUCE_ELEMENTS`` at a time: one
+    chunk's flat copy exists at a time, on the device the backend needs (NCCL: this rank's GPU). ``what`` names it
+    if a peer fails."""
+    nccl = "nccl" in dist.get_backend(group)
+    for chunk in _chunks(tensors, ALL_REDUCE_ELEMENTS):
+        on_host = chunk[0].device.type == "cpu"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl and on_host else chunk[0].device
+        flat = torch.cat([t.reshape(-1) for t in chunk]).to(device)
+        with peers_must_answer(what, timeout):
+            dist.all_reduce(flat, group=group)
+        for total, value in zip(chunk, flat.to(chunk[0].device).split([t.numel() for t in chunk])):
+            total.copy_(value.view_as(total))
 
 
 def _chunks(tensors: list[torch.Tensor], elements: int) -> Iterator[list[torch.Tensor]]:
