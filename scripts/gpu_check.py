@@ -19,7 +19,8 @@ With a CUDA GPU it runs, in order, each step with its time limit inside a total 
    fp16, channels_last and torch.compile, peak memory (tests/test_gpu.py), the fronts and int8's Triton kernels
    (tests/test_gpu_fronts.py), pinned-memory batches (tests/test_device_batches.py), and processes sharing the GPU:
    whether NCCL accepts them with distinct NCCL_HOSTIDs (issue 37 part 5), then the engine and the fronts in 2 and 4
-   processes on it. Fails on any failed test or collection error;
+   processes on it, and an averaged resume's all-reduce on it (tests/test_gpu_resume.py). Fails on any failed test or
+   collection error;
 5. OUT_DIR/summary.md and summary.json: versions, every number, what failed; OUT_DIR/measurements.jsonl (the tests'
    measurements) and gpu_check.log (the whole console, written by gpu_check.sh). Nothing else goes into OUT_DIR: a
    device run returns at most 8 files.

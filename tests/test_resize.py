@@ -107,13 +107,18 @@ def _save_own_state(rank: int, world: int, run_dir: Path, odd_file: int) -> None
     save_checkpoint(run_dir, 5, state, "ring", MODEL, keep=1)
 
 
-def _load_recording_reads(rank: int, world: int, run_dir: Path) -> dict[str, Any]:
-    """The averaged state this worker loads, and the checkpoint files it opened (Python's audit events)."""
+def _load_recording_reads(rank: int, world: int, run_dir: Path, chunk: int = 0) -> dict[str, Any]:
+    """The averaged state this worker loads, and the checkpoint files it opened (Python's audit events); ``chunk``:
+    the elements per all-reduce, if set (in this forked worker only)."""
     import sys
 
     from loguru import logger
 
+    from decent_train.components import state_average
+
     logger.remove()
+    if chunk:
+        state_average.ALL_REDUCE_ELEMENTS = chunk
     opened: set[str] = set()
 
     def record(event: str, args: tuple[Any, ...]) -> None:
@@ -129,15 +134,16 @@ def _load_recording_reads(rank: int, world: int, run_dir: Path) -> dict[str, Any
     return {"state": state, "opened": opened}
 
 
-@pytest.mark.parametrize("new_world", [3, 8])
-def test_each_saved_file_is_read_by_one_worker(tmp_path: Path, new_world: int) -> None:
+@pytest.mark.parametrize(("new_world", "chunk"), [(3, 3), (8, 0)])
+def test_each_saved_file_is_read_by_one_worker(tmp_path: Path, new_world: int, chunk: int) -> None:
     """M workers continuing 4 workers' checkpoint read each file once in all (file k by worker k mod M), not each
     worker all 4; every one starts from the average of the 4 files (floats, summed in float64 and in their dtype) and
-    file 0's other values, computed here from the files."""
+    file 0's other values, computed here from the files. With 3 elements per all-reduce the sums go in 3 chunks (the
+    count alone, w, and b, larger than a chunk, alone)."""
     run_workers(_save_own_state, 4, tmp_path, odd_file=-1)
     (checkpoint,) = complete_checkpoints(tmp_path)
     saved = [torch.load(checkpoint.path / f"rank{r}.pt", weights_only=True) for r in range(4)]
-    loaded = run_workers(_load_recording_reads, new_world, tmp_path)
+    loaded = run_workers(_load_recording_reads, new_world, tmp_path, chunk=chunk)
 
     readers = {f"rank{r}.pt": [w for w, result in enumerate(loaded) if f"rank{r}.pt" in result["opened"]]
                for r in range(4)}
