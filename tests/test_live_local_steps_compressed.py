@@ -14,6 +14,8 @@ step; worker i's payload p_i = (x_i, anchor_i), LocalSGD's x_i; x̂_j^(i) member
     change E:    the anchors and the outer momentum become their mean over the new members, then every copy of every
                  public value, on every member, restarts at (anchor, anchor) (LocalSGD: zero): equal wherever held
     join:        the joiner brings no copies (``averageable_state``); it restarts them at E like the others
+    streaming:   each fragment's group keeps copies of its own payload (its parameters, then their anchors); the
+                 fragments take outer steps in turn, and at E every fragment's copies restart
 
 The replay keeps one copy per (holder, owner), which the front never does (a group's ``others`` is one weighted sum),
 and computes the inner steps with a fresh float64 model: it shares the compressor's quantizer and nothing else with
@@ -47,6 +49,7 @@ from .test_live_engine import (  # noqa: E402  (after the skip: the harness need
 )
 from .test_live_launcher import KILL_AT, Signal, at_step, check_trained_to_the_end, launch  # noqa: E402
 from .test_live_launcher import STEPS as LAUNCH_STEPS  # noqa: E402
+from .test_live_local_steps import FRAGMENTS  # noqa: E402
 
 TOL = 1e-12
 INNER_LR = 0.1
@@ -67,7 +70,8 @@ CASES = {f"{kind}-{compression}-{scenario}": (kind, compression, scenario)
          for kind, compression, scenario in [
              ("diloco", "int8", "between"), ("diloco", "int8", "window"), ("diloco", "int8", "join"),
              ("diloco", "bf16", "between"), ("diloco", "bf16", "window"), ("diloco", "bf16", "join"),
-             ("localsgd", "int8", "window")]}
+             ("localsgd", "int8", "window"), ("streaming", "int8", "between"), ("streaming", "int8", "join"),
+             ("streaming", "bf16", "window")]}
 
 
 def _front(model: nn.Module, inner: torch.optim.Optimizer, world: int, kind: str, compression: str,
@@ -78,14 +82,22 @@ def _front(model: nn.Module, inner: torch.optim.Optimizer, world: int, kind: str
     if kind == "localsgd":
         return LocalSGD(model, inner, SYNC_EVERY, "complete", **common)
     outer = torch.optim.SGD(model.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
-    return DiLoCo(model, inner, outer, SYNC_EVERY, "complete", **common)
+    return DiLoCo(model, inner, outer, SYNC_EVERY, "complete", fragments=len(_fragments(kind)), **common)
+
+
+def _fragments(kind: str) -> list[list[str]]:
+    """The parameters' names by fragment: streaming's two (test_live_local_steps.py's cut), else one of all."""
+    return FRAGMENTS if kind == "streaming" else [[n for n, _ in make_model(0).named_parameters()]]
 
 
 def _copies(front: DiLoCo) -> dict[str, tuple[Tensor, Tensor]]:
-    """This member's public copies (own, others) by group, as they stand."""
-    state = front.groups[0].copies_state()
-    assert state is not None
-    return {str(key): (own.clone(), others.clone()) for key, (own, others) in state["copies"].items()}
+    """This member's public copies (own, others) by fragment's group and peer group, as they stand."""
+    copies = {}
+    for index, group in enumerate(front.groups):
+        state = group.copies_state()
+        assert state is not None
+        copies |= {f"{index}/{key}": (own.clone(), others.clone()) for key, (own, others) in state["copies"].items()}
+    return copies
 
 
 def _train(member: int, store: dist.Store, ctx: dict[str, Any]) -> dict[str, Any]:
@@ -121,7 +133,7 @@ def _train(member: int, store: dist.Store, ctx: dict[str, Any]) -> dict[str, Any
         inner.zero_grad(set_to_none=True)
     names = [n for n, _ in model.named_parameters()]
     result |= {"x": params_of(model), "outer_steps": front.outer_steps, "missed": list(front.exchange.missed)}
-    if kind == "diloco":
+    if kind != "localsgd":
         result["anchor"] = dict(zip(names, [a.clone() for a in front.anchors()]))
         result["momentum"] = {n: front.outer.state[p]["momentum_buffer"].clone()
                               for n, p in zip(names, model.parameters())}
@@ -147,81 +159,102 @@ def _replay(case: str, variant: str = "right") -> dict[int, dict[str, dict[str, 
     """Every last member's parameters (and DiLoCo's anchors and momentum) by the rule of the module, or a wrong
     variant: ``zero_restart`` (DiLoCo's copies restart at zero at a change, as the engine's), ``missed_as_zero`` (a
     missed message's public value mixed as zero), ``missed_as_own`` (its weight moved to the receiver's own copy: the
-    uncompressed outer path's rule), ``joiner_own_copies`` (the joiner's copies left at its healed payload)."""
+    uncompressed outer path's rule), ``joiner_own_copies`` (the joiner's copies left at its healed payload).
+    Streaming: each fragment has copies of its own (payload: its parameters, then their anchors) and takes the outer
+    step of every second period of SYNC_EVERY / 2 inner steps, in turn."""
     kind, compression, scenario = CASES[case]
     epochs, steps = SCENARIOS[scenario]
     compressor = make_compressor(compression, BLOCK)
     assert compressor is not None
-    diloco = kind == "diloco"
+    anchored = kind != "localsgd"
     start = params_of(make_model(100 + FOUNDERS[0]))  # the front starts every member from rank 0's
-    names, shapes = list(start), [t.shape for t in start.values()]
-    numel = sum(t.numel() for t in start.values())
-    flat0 = torch.cat([t.reshape(-1) for t in start.values()])
-    x = {m: flat0.clone() for m in FOUNDERS}
-    anchor = {m: flat0.clone() for m in FOUNDERS}
-    momentum: dict[int, Tensor] = {}
+    fragments = _fragments(kind)
+    period = SYNC_EVERY // len(fragments)
+    x = {m: dict(start) for m in FOUNDERS}
+    anchor = {m: dict(start) for m in FOUNDERS}
+    momentum: dict[int, dict[str, Tensor]] = {m: {} for m in FOUNDERS}
 
-    def payload(m: int) -> Tensor:
-        return torch.cat([x[m], anchor[m]]) if diloco else x[m]
+    def payload(m: int, names: list[str]) -> Tensor:
+        return torch.cat([x[m][n].reshape(-1) for n in names] + [anchor[m][n].reshape(-1) for n in names if anchored])
 
-    copies = {i: {j: payload(0).clone() for j in FOUNDERS} for i in FOUNDERS}  # the copies start at the payload
+    def restart(names: list[str]) -> Tensor:
+        if not anchored or variant == "zero_restart":
+            return torch.zeros_like(payload(members[0], names))
+        return torch.cat([anchor[members[0]][n].reshape(-1) for n in names] * 2)
+
     members = FOUNDERS
+    copies = [{i: {j: payload(0, names).clone() for j in members} for i in members} for names in fragments]
     model = make_model(0)
     for s in range(steps):
         new = next((ms for step, ms in epochs if step == s and s > 0), None)
         if new is not None:
             if JOINER in new and JOINER not in members:
-                x[JOINER], anchor[JOINER] = x[DONOR].clone(), anchor[DONOR].clone()
-                if DONOR in momentum:
-                    momentum[JOINER] = momentum[DONOR].clone()
+                x[JOINER], anchor[JOINER], momentum[JOINER] = dict(x[DONOR]), dict(anchor[DONOR]), dict(momentum[DONOR])
             members = new
-            if diloco:
-                anchor |= dict.fromkeys(members, sum(anchor[m] for m in members) / len(members))
-                if momentum:
-                    momentum |= dict.fromkeys(members, sum(momentum[m] for m in members) / len(members))
-            restart = torch.cat([anchor[members[0]]] * 2) if diloco and variant != "zero_restart" else \
-                torch.zeros_like(payload(members[0]))
-            copies = {i: {j: restart.clone() for j in members} for i in members}
+            if anchored:
+                means = {n: sum(anchor[k][n] for k in members) / len(members) for n in start}
+                moments = {n: sum(momentum[k][n] for k in members) / len(members) for n in momentum[members[0]]}
+                anchor |= {m: dict(means) for m in members}
+                momentum |= {m: dict(moments) for m in members}
+            copies = [{i: {j: restart(names) for j in members} for i in members} for names in fragments]
             if variant == "joiner_own_copies" and JOINER in members:
-                copies[JOINER] = {j: payload(JOINER).clone() for j in members}
+                for held, names in zip(copies, fragments):
+                    held[JOINER] = {j: payload(JOINER, names).clone() for j in members}
         alive = [m for m in members if not (m == VICTIM and s >= DIE_STEP)]
         for m in alive:  # the inner step, from a fresh float64 model
             with torch.no_grad():
-                for p, value in zip(model.parameters(), x[m].split([t.numel() for t in start.values()])):
-                    p.copy_(value.view_as(p))
+                for n, p in model.named_parameters():
+                    p.copy_(x[m][n])
                     p.grad = None
             loss_of(model, m, s).backward()
-            x[m] = x[m] - INNER_LR * torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-        if (s + 1) % SYNC_EVERY:
+            x[m] = {n: x[m][n] - INNER_LR * p.grad for n, p in model.named_parameters()}
+        if (s + 1) % period:
             continue
+        fragment = ((s + 1) // period - 1) % len(fragments)
+        names, held = fragments[fragment], copies[fragment]
         w = 1.0 / len(members)
-        sent = {j: _decoded(compressor, payload(j) - copies[j][j]) for j in alive}
+        sent = {j: _decoded(compressor, payload(j, names) - held[j][j]) for j in alive}
         for i in alive:
             for j in alive:
-                copies[i][j] = copies[i][j] + sent[j]
+                held[i][j] = held[i][j] + sent[j]
         mixed = {}
         for i in alive:
-            seen = {j: copies[i][j] for j in members}
+            seen = {j: held[i][j] for j in members}
             for j in set(members) - set(alive):  # a missed message
                 if variant == "missed_as_zero":
                     seen[j] = torch.zeros_like(seen[j])
                 elif variant == "missed_as_own":
                     seen[j] = seen[i]
             others = sum(w * seen[j] for j in members if j != i)
-            mixed[i] = payload(i) + GAMMA * (others - (1.0 - w) * seen[i])
+            mixed[i] = payload(i, names) + GAMMA * (others - (1.0 - w) * seen[i])
+        sizes = [start[n].numel() for n in names]
         for i in alive:
-            if not diloco:
-                x[i] = mixed[i]
+            parts = mixed[i].split(sizes * (2 if anchored else 1))
+            if not anchored:
+                x[i] = x[i] | {n: part.view_as(start[n]) for n, part in zip(names, parts)}
                 continue
-            a, g = mixed[i][numel:], mixed[i][numel:] - mixed[i][:numel]
-            momentum[i] = OUTER_MOMENTUM * momentum[i] + g if i in momentum else g
-            x[i] = anchor[i] = a - OUTER_LR * (g + OUTER_MOMENTUM * momentum[i])
+            for n, xm, am in zip(names, parts, parts[len(names):]):
+                a, g = am.view_as(start[n]), (am - xm).view_as(start[n])
+                momentum[i][n] = OUTER_MOMENTUM * momentum[i][n] + g if n in momentum[i] else g
+                x[i][n] = anchor[i][n] = a - OUTER_LR * (g + OUTER_MOMENTUM * momentum[i][n])
 
-    def named(flat: Tensor) -> dict[str, Tensor]:
-        return {n: t.view(shape) for n, t, shape in zip(names, flat.split([s.numel() for s in shapes]), shapes)}
+    return {m: {"x": x[m], **({"anchor": anchor[m], "momentum": momentum[m]} if anchored else {})} for m in members}
 
-    return {m: {"x": named(x[m]), **({"anchor": named(anchor[m]), "momentum": named(momentum[m])} if diloco else {})}
-            for m in members}
+
+def _missed(case: str) -> list[tuple[int, int]]:
+    """The (fragment's round, rank) of each outer message a last member never got: the victim's, from its death to
+    the change that drops it."""
+    kind, _, scenario = CASES[case]
+    epochs, steps = SCENARIOS[scenario]
+    fragments, missed, rounds = len(_fragments(kind)), [], [0] * len(_fragments(kind))
+    period = SYNC_EVERY // fragments
+    for s in range(period - 1, steps, period):
+        members = [ms for step, ms in epochs if step <= s][-1]
+        fragment = ((s + 1) // period - 1) % fragments
+        if VICTIM in members and s >= DIE_STEP:
+            missed.append((rounds[fragment], members.index(VICTIM)))
+        rounds[fragment] += 1
+    return missed
 
 
 def _worst(results: dict[int, dict[str, Any]], replayed: dict[int, dict[str, dict[str, Tensor]]]) -> float:
@@ -242,14 +275,16 @@ def test_compressed_outer_steps_through_a_change_follow_the_replay(run: tuple[st
     """Every last member's parameters, anchors and outer momentum equal the float64 replay of the rule to 1e-12,
     int8 and bf16: the victim lost between outer steps (the change at 6, before the outer step at 8), lost where an
     outer step misses its message (at 8: an empty difference; the change at 10), and a joiner healed at 10 from its
-    donor. Right after each change every member holds the same public copies (the joiner too)."""
+    donor; Streaming DiLoCo's 2 fragments (outer steps every 2 inner steps in turn: fragment 0's at 6 misses the
+    victim; at 6 and 8 in the window case). Right after each change every member holds the same public copies (the
+    joiner too). A front that restarts only the first fragment's copies fails the streaming cases alone."""
     case, results = run
     kind, _, scenario = CASES[case]
     epochs, steps = SCENARIOS[scenario]
-    for r in results.values():
-        assert r["missed"] == ([(1, FOUNDERS.index(VICTIM))] if scenario == "window" else []), r["missed"]
-    assert results[0]["outer_steps"] == steps // SYNC_EVERY
-    assert results.get(JOINER, results[0])["outer_steps"] == steps // SYNC_EVERY
+    for m, r in results.items():
+        assert r["missed"] == (_missed(case) if m in FOUNDERS else []), (m, r["missed"])  # the joiner came after
+    outer_steps = steps // (SYNC_EVERY // len(_fragments(kind)))
+    assert results[0]["outer_steps"] == results.get(JOINER, results[0])["outer_steps"] == outer_steps
     worst = _worst(results, _replay(case))
     assert worst <= TOL, f"the members differ from the rule's replay by {worst:.3g}"
     for epoch, (_, members) in enumerate(epochs[1:], 1):
@@ -268,6 +303,8 @@ def test_compressed_outer_steps_through_a_change_follow_the_replay(run: tuple[st
     ("diloco-int8-window", "missed_as_zero"), ("diloco-int8-window", "missed_as_own"),
     ("diloco-bf16-window", "missed_as_zero"), ("localsgd-int8-window", "missed_as_own"),
     ("diloco-int8-join", "joiner_own_copies"), ("diloco-bf16-join", "joiner_own_copies"),
+    ("streaming-int8-between", "missed_as_own"), ("streaming-int8-join", "joiner_own_copies"),
+    ("streaming-bf16-window", "zero_restart"),
 ], indirect=["run"])
 def test_a_wrong_rule_deviates(run: tuple[str, dict[int, dict[str, Any]]], variant: str) -> None:
     """The replay can tell: copies restarted at zero, a missed message mixed as a zero public value or as the
