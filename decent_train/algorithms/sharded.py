@@ -189,10 +189,9 @@ class ShardedFront(FrontAlgorithm):
             for replica in mine or [replicas[members.replica % len(replicas)]]:
                 state = self._loaded_state(directory / f"replica{replica}")
                 floats = floating_tensors(state)
-                if not sums:
-                    sums = [local_part(t).to(torch.float64, copy=True) for t in floats]
-                    if not mine:
-                        torch._foreach_zero_(sums)
+                if not sums:  # no share: zeros of the same layout
+                    sums = [local_part(t).to(torch.float64, copy=True) if mine
+                            else torch.zeros_like(local_part(t), dtype=torch.float64) for t in floats]
                 else:
                     for total, value in zip(sums, floats):
                         total.add_(local_part(value))

@@ -81,8 +81,9 @@ class StateSum:
         return True
 
     def mean(self) -> Any:
-        """The average: the first state with each floating-point tensor the mean, in its own dtype."""
-        means = [total.div(self.count).to(dtype) for total, (_, dtype) in zip(self.sums, self.layout)]
+        """The average: the first state with each floating-point tensor the mean, in its own dtype (the sums are
+        divided in place: no second float64 copy)."""
+        means = [total.div_(self.count).to(dtype) for total, (_, dtype) in zip(self.sums, self.layout)]
         return with_floats(self.skeleton, iter(means))
 
 
