@@ -338,7 +338,8 @@ class TrainConfig:
         if self.compression.copy_dtype != "param":
             raise ValueError(
                 f"compression.copy_dtype={self.compression.copy_dtype} sets per-step gossip's public copies; "
-                f"algorithm={name}'s outer exchange keeps none: leave compression.copy_dtype=param"
+                f"algorithm={name}'s outer exchange keeps its own (compressed) in the parameters' dtype: leave "
+                "compression.copy_dtype=param"
             )
 
     def _check_engine_keys(self, traits: AlgorithmTraits) -> None:

@@ -476,7 +476,8 @@ def test_ranks_share_one_gpu_with_nccl_hostid() -> None:
         pytest.xfail(f"NCCL {outcome['with_hostid']}; the one-GPU tests use gloo with CUDA tensors")
 
 
-ONE_GPU_ENGINE = [(2, "ring"), (4, "ring"), (4, "complete")]  # pairs; pairs in two rounds; a group of 4 (split_group)
+ONE_GPU_ENGINE = [(2, "ring"), (4, "ring"), (4, "complete")]  # pairs; pairs in two rounds; a group of all 4 (the
+# exchange group serves it: no dist.split_group, which only a group of >= 3 short of the world would call)
 
 
 @pytest.mark.slow

@@ -88,7 +88,7 @@ class Int8Kernels:
         if out.data_ptr() != x.data_ptr():
             # Mixed in place only: torch 2.14's inductor drops the compiled loop's write into an ``out`` that does not
             # alias ``x`` when ``levels`` and ``scales`` (views of one message) alias each other
-            # (tests/test_int8_kernels.py). The outer exchange mixes into its staged buffer, once per outer step.
+            # (tests/test_int8_kernels.py).
             out.copy_(x)
             x = out
         rows = x.numel() // self.block
