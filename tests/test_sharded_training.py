@@ -222,8 +222,8 @@ def test_every_ranks_batchnorm_statistics_are_in_the_checkpoint(tmp_path: Path) 
 # -- 2. averaged resume at another number of replicas ---------------------------------------------------------------
 def _held_before_the_final_average(rank: int, world: int, cfg: Any) -> dict[str, Any]:
     """Train ``cfg``; what this rank's replica holds (model and optimizer state, gathered whole) when training has
-    ended, before the final average of the replicas, and the saved replicas' folders it opened a file in (Python's
-    audit events). (Patched in this forked worker only.)"""
+    ended, before the final average of the replicas, and the folders of ``cfg.resume``'s replicas it opened a file in
+    (Python's audit events; its own checkpoint's are not counted). (Patched in this forked worker only.)"""
     import sys
 
     from decent_train.algorithms.sharded import ShardedGossip
@@ -231,8 +231,10 @@ def _held_before_the_final_average(rank: int, world: int, cfg: Any) -> dict[str,
     held: dict[str, Any] = {"opened": set()}
 
     def record(event: str, args: tuple[Any, ...]) -> None:
-        if event == "open" and isinstance(args[0], (str, Path)) and Path(args[0]).parent.name.startswith("replica"):
-            held["opened"].add(Path(args[0]).parent.name)
+        path = Path(args[0]) if event == "open" and isinstance(args[0], (str, Path)) else None
+        if path is not None and cfg.resume and path.is_relative_to(cfg.resume):
+            if path.parent.name.startswith("replica"):
+                held["opened"].add(path.parent.name)
 
     sys.addaudithook(record)  # this forked worker's own: it ends with the process
     average = ShardedGossip.average
