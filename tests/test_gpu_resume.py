@@ -1,6 +1,8 @@
 """An averaged resume with the GPU's backend: 3 workers continue 4 workers' checkpoint, all on one GPU (NCCL if it
 accepts ranks sharing the GPU, else gloo: tests/on_gpu.py), the float64 sums all-reduced in chunks on the device that
-NCCL needs. Oracle: the mean of the 4 files, computed here in float64."""
+NCCL needs. Oracle: the mean of the 4 files, computed here in float64. And the chunked all-reduce of a sharded
+resume's sums, which mix GPU shards with CPU step counts (torch.optim keeps ``step`` on the CPU), against the sums
+computed here."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 
 from decent_train.components.checkpoint import complete_checkpoints, load_latest_checkpoint, save_checkpoint
 
-from tests.on_gpu import gpu_test, one_gpu_backend_or_skip, record, run_spawned
+from tests.on_gpu import DEVICE, gpu_test, one_gpu_backend_or_skip, record, run_spawned
 
 MODEL = {"name": "test"}
 CHUNK = 1000  # elements per all-reduce: the sums go in several chunks, one larger than a chunk alone
@@ -61,3 +63,29 @@ def test_an_averaged_resume_on_one_gpu_holds_the_files_mean() -> None:
             assert error <= (1e-12 if name == "w" else 1e-6), (name, error)
             deviation = max(deviation, error) if name == "w" else deviation
     record("one-gpu/averaged-resume", backend=backend, float64_deviation=deviation)
+
+
+def _all_reduce_mixed(rank: int, world: int) -> list[torch.Tensor]:
+    from decent_train.components.state_average import all_reduce_in_chunks
+
+    device = torch.device(DEVICE.type, torch.cuda.current_device()) if DEVICE.type == "cuda" else DEVICE
+    tensors = [torch.full((700,), 1.0 + rank, dtype=torch.float64, device=device),
+               torch.tensor([10.0 * (rank + 1)], dtype=torch.float64),  # a step count: on the CPU
+               torch.arange(900, dtype=torch.float64, device=device) * (rank + 1)]
+    all_reduce_in_chunks(tensors, "the test's all-reduce")
+    assert [t.device for t in tensors][:2] == [device, torch.device("cpu")]
+    return [t.cpu() for t in tensors]
+
+
+@pytest.mark.slow
+@gpu_test
+def test_chunked_all_reduce_of_gpu_and_cpu_tensors_on_one_gpu() -> None:
+    """2 ranks on one GPU: GPU tensors and a CPU one in one call (each device's chunks apart, the CPU one through the
+    GPU under NCCL), every sum as computed here, in place on its own device."""
+    backend = one_gpu_backend_or_skip(needs_pairs=False)
+    ranks = run_spawned(_all_reduce_mixed, 2, backend=backend, one_gpu=True)
+    want = [torch.full((700,), 3.0, dtype=torch.float64), torch.tensor([30.0], dtype=torch.float64),
+            torch.arange(900, dtype=torch.float64) * 3]
+    for got in ranks:
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    record("one-gpu/all-reduce-mixed-devices", backend=backend)

@@ -100,11 +100,14 @@ def sum_across_workers(mine: StateSum, first: StateSum) -> StateSum:
 def all_reduce_in_chunks(
     tensors: list[torch.Tensor], what: str, group: dist.ProcessGroup | None = None, timeout: timedelta | None = None
 ) -> None:
-    """Sum ``tensors`` (all on one device) over ``group``'s ranks in place, ``ALL_REDUCE_ELEMENTS`` at a time: one
-    chunk's flat copy exists at a time, on the device the backend needs (NCCL: this rank's GPU). ``what`` names it
-    if a peer fails."""
+    """Sum ``tensors`` over ``group``'s ranks in place, ``ALL_REDUCE_ELEMENTS`` at a time, device by device (a
+    sharded optimizer's state mixes GPU shards with CPU step counts): one chunk's flat copy exists at a time, on the
+    device the backend needs (NCCL: this rank's GPU). ``what`` names it if a peer fails."""
     nccl = "nccl" in dist.get_backend(group)
-    for chunk in _chunks(tensors, ALL_REDUCE_ELEMENTS):
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_device.setdefault(tensor.device, []).append(tensor)
+    for chunk in (chunk for same in by_device.values() for chunk in _chunks(same, ALL_REDUCE_ELEMENTS)):
         on_host = chunk[0].device.type == "cpu"
         device = torch.device("cuda", torch.cuda.current_device()) if nccl and on_host else chunk[0].device
         flat = torch.cat([t.reshape(-1) for t in chunk]).to(device)
