@@ -138,8 +138,8 @@ def _load_recording_reads(rank: int, world: int, run_dir: Path, chunk: int = 0) 
 def test_each_saved_file_is_read_by_one_worker(tmp_path: Path, new_world: int, chunk: int) -> None:
     """M workers continuing 4 workers' checkpoint read each file once in all (file k by worker k mod M), not each
     worker all 4; every one starts from the average of the 4 files (floats, summed in float64 and in their dtype) and
-    file 0's other values, computed here from the files. With 3 elements per all-reduce the sums go in 3 chunks (the
-    count alone, w, and b, larger than a chunk, alone)."""
+    file 0's other values, computed here from the files. With 3 elements per all-reduce the sums go in 2 chunks (w,
+    and b, larger than a chunk, alone)."""
     run_workers(_save_own_state, 4, tmp_path, odd_file=-1)
     (checkpoint,) = complete_checkpoints(tmp_path)
     saved = [torch.load(checkpoint.path / f"rank{r}.pt", weights_only=True) for r in range(4)]

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
-from decent_train.components.state_average import StateSum, named_floats, sum_across_workers
+from decent_train.components.state_average import StateSum, layout_of, named_floats, sum_across_workers
 from decent_train.engine.comm import peers_must_answer
 
 CHECKPOINTS = "checkpoints"
@@ -439,19 +439,20 @@ def _read_averaged(checkpoint: Checkpoint, prepare: Prepare) -> tuple[Optional[d
         if not mine.add(prepare(state)):
             stray = index
             break
-    first = (mine.skeleton, mine.layout) if rank == 0 and mine.count else None  # file 0: everything but the floats
+    first = mine.skeleton if rank == 0 else None  # file 0: its floats' layout, everything else as the average keeps
     shares: list[Any] = [None] * world
     with peers_must_answer(f"averaging checkpoint {checkpoint.path.name} (gathering what each rank read)"):
         dist.all_gather_object(shares, (why, mine.layout, stray, first))
     problems = [share[0] for share in shares if share[0]]
     if problems:
         return None, problems[0]
-    skeleton, reference = shares[0][3]
+    skeleton = shares[0][3]
+    reference = layout_of(skeleton)
     for r, (_, own, stray, _) in enumerate(shares):  # own: the layout of file r, the first that rank r read
         odd = r if own and own != reference else stray
         if odd is not None:
             raise ValueError(f"checkpoint file {odd} holds a state of another layout than file 0's")
-    return sum_across_workers(mine, StateSum(skeleton, reference)).mean(), ""
+    return sum_across_workers(mine, skeleton, checkpoint.world_size).mean(), ""
 
 
 def load_latest_checkpoint(

@@ -51,28 +51,32 @@ def with_floats(obj: Any, values: Iterator[torch.Tensor]) -> Any:
     return obj
 
 
-def layout(state: Any) -> Layout:
+def layout_of(state: Any) -> Layout:
     """The shape and dtype of each floating-point tensor of ``state``: what states averaged together share."""
     return [(tuple(t.shape), t.dtype) for t in floating_tensors(state)]
 
 
 @dataclass
 class StateSum:
-    """The float64 sums of the floating-point tensors of the states added so far, and the first state's layout (its
-    other values, the floats left out, are what the average keeps: step counts, schedules, the scaler)."""
+    """The float64 sums of the floating-point tensors of the states added so far, and the first state as a skeleton:
+    its floats on the meta device (their shapes and dtypes: the layout the others must have), its other values what
+    the average keeps (step counts, schedules, the scaler)."""
 
-    skeleton: Any = None  # the first state with its floating-point tensors on the meta device
-    layout: Layout = field(default_factory=list)
+    skeleton: Any = None
     sums: list[torch.Tensor] = field(default_factory=list)
     count: int = 0
+
+    @property
+    def layout(self) -> Layout:
+        return layout_of(self.skeleton)
 
     def add(self, state: Any) -> bool:
         """Add ``state``; False (nothing added) if its layout differs from the first state's."""
         floats = floating_tensors(state)
         if self.count == 0:
             self.skeleton = with_floats(state, iter([t.to("meta") for t in floats]))
-            self.layout, self.sums = layout(state), [t.to(torch.float64, copy=True) for t in floats]
-        elif layout(state) != self.layout:
+            self.sums = [t.to(torch.float64, copy=True) for t in floats]
+        elif layout_of(state) != self.layout:
             return False
         else:
             for total, value in zip(self.sums, floats):
@@ -87,14 +91,13 @@ class StateSum:
         return with_floats(self.skeleton, iter(means))
 
 
-def sum_across_workers(mine: StateSum, first: StateSum) -> StateSum:
-    """Every worker's ``mine`` added up: each worker holds the same total after it. ``first`` is the share that holds
-    the first state (its skeleton and layout, every worker's copy); a worker without a share adds zeros. Collective;
-    every share's layout must be ``first``'s."""
-    sums = mine.sums or [torch.zeros(shape, dtype=torch.float64) for shape, _ in first.layout]
-    counts = torch.tensor([float(mine.count)], dtype=torch.float64)
-    all_reduce_in_chunks([counts, *sums], "averaging a checkpoint's states (the all-reduce of their sums)")
-    return StateSum(first.skeleton, first.layout, sums, int(counts.item()))
+def sum_across_workers(mine: StateSum, skeleton: Any, count: int) -> StateSum:
+    """Every worker's ``mine`` added up, the ``count`` states of all workers: each worker holds the same total after
+    it. ``skeleton`` is the first state's (every worker's copy); a worker without a share adds zeros. Collective;
+    every share's layout must be the skeleton's."""
+    sums = mine.sums or [torch.zeros(shape, dtype=torch.float64) for shape, _ in layout_of(skeleton)]
+    all_reduce_in_chunks(sums, "averaging a checkpoint's states (the all-reduce of their sums)")
+    return StateSum(skeleton, sums, count)
 
 
 def all_reduce_in_chunks(
