@@ -9,12 +9,12 @@ work's destructor and the finished process dies of SIGABRT, "terminate called wi
 (engine/comm.py, run_collective). It takes a gloo thread that is scheduled late, so on an idle machine it is rare
 (about 1 launch in 40 to 1 in 300 here); on a loaded one it is not. Most launches here make that the rule: each rank
 runs on one CPU and gloo's worker threads get SCHED_IDLE (they run only when nothing else on their CPU wants to), what
-a busy machine does to them at the worst moment; the unfixed engine then aborts in about every other launch. Every
-fourth launch runs as users do.
+a busy machine does to them at the worst moment; the unfixed engine then aborts in about every other launch, so 7
+such launches miss it about once in 128 tries. The last launch runs as users do.
 
 Every worker is a plain ``python script.py`` process (not forked from pytest, not torchrun's agent), so the
-interpreter's teardown is the real one. DT_CLEAN_EXIT_LAUNCHES sets the number of launches (default 12: about 80 s
-on 2 cores, where the imports of 4 processes take most of it).
+interpreter's teardown is the real one. DT_CLEAN_EXIT_LAUNCHES sets the number of launches (default 8: about 14 s
+each on 2 cores, where the imports of 4 processes take most of it; scripts/repeat_launches.py runs hundreds).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from .jobs import free_port
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "user_scripts" / "decent_dp_style.py"
 WORLD = 4
-LAUNCHES = int(os.environ.get("DT_CLEAN_EXIT_LAUNCHES", 12))
-AS_USERS_RUN_EVERY = 4  # launch 3, 7, 11, ...: default scheduling
+LAUNCHES = int(os.environ.get("DT_CLEAN_EXIT_LAUNCHES", 8))
+AS_USERS_RUN_EVERY = 8  # launch 7 (15, 23, ...): default scheduling
 
 
 def _starve_gloo_threads(procs: list[subprocess.Popen], starved: set[tuple[int, int]]) -> None:
