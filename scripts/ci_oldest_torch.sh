@@ -4,7 +4,8 @@
 # Creates a virtual environment in a temporary folder (removed at the end), installs torch and torchvision at the
 # floor's versions, then the package with its test extras under a constraint that keeps them there (pip would
 # otherwise upgrade to the newest it may), and runs the tests from the repository root. Set OLDEST_TORCH_VENV to a
-# folder to keep the environment there and reuse it on the next run. Exit status: pytest's (5, no tests, reads 0).
+# folder to keep the environment there and reuse it on the next run; with --install-only it stops before the tests
+# (.ci/run installs while the main suite runs). Exit status: pytest's (5, no tests, reads 0).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,6 +36,10 @@ py=$venv/bin/python
 "$py" -m pip install -q -c "$constraints" -e ".[test]" || exit 1
 "$py" -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)"
 installed=$(date +%s)
+if [ "${1:-}" = "--install-only" ]; then
+  echo "oldest torch: installed in $((installed - start)) s"
+  exit 0
+fi
 
 "$py" -m pytest -q -m "not slow"
 code=$?
