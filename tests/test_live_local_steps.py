@@ -48,7 +48,7 @@ from .test_live_engine import (  # noqa: E402  (after the skip: the harness need
     leave_when_all_finished, loss_of, make_model, params_of, run_members,
 )
 from .test_live_launcher import KILL_AT, Signal, at_step, check_trained_to_the_end, launch  # noqa: E402
-from .test_live_launcher import STEPS as LAUNCH_STEPS  # noqa: E402
+from .test_live_launcher import JOIN_STEPS  # noqa: E402
 
 TOL = 1e-12
 INNER_LR = 0.1
@@ -328,14 +328,14 @@ def test_diloco_trains_on_through_a_kill_and_a_replacement(
     if layout == "two groups":
         monkeypatch.setenv(reconfigure.DATA_BACKEND_ENV, "gloo")  # the workers inherit it
     run = launch(tmp_path, "algorithm=diloco", "algorithm.sync_every=10", "launch.max_restarts=1",
-                 signals=[Signal(at_step(KILL_AT), signal.SIGKILL, [2])])
+                 signals=[Signal(at_step(KILL_AT), signal.SIGKILL, [2])], steps=JOIN_STEPS)
     check_trained_to_the_end(run)
     assert run.members() == [4, 3, 4], f"{run}"
     loss, join = run.result["membership_changes"]
     assert [lost["member"] for lost in loss["lost"]] == [2] and loss["members"] == 3, f"{run}"
     assert [j["member"] for j in join["joined"]] == [4] and join["members"] == 4 and join["heal_mb"] > 0, f"{run}"
     outer = [r["outer/step"] for r in run.records if "outer/step" in r]
-    assert outer[-1] == LAUNCH_STEPS // 10, f"outer steps {outer}\n{run}"
+    assert outer[-1] == JOIN_STEPS // 10, f"outer steps {outer}\n{run}"
     # every member's every change (its log's lines from LiveMembership._reconfigure) in the layout asked for
     changes = {m: re.findall(r"epoch \d+: (.*) reconfigured over \[(.*)\]", (run.run_dir / "logs" /
                                                                             f"member{m}.log").read_text())

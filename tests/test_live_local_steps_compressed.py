@@ -48,7 +48,7 @@ from .test_live_engine import (  # noqa: E402  (after the skip: the harness need
     make_model, params_of, run_members,
 )
 from .test_live_launcher import KILL_AT, Signal, at_step, check_trained_to_the_end, launch  # noqa: E402
-from .test_live_launcher import STEPS as LAUNCH_STEPS  # noqa: E402
+from .test_live_launcher import JOIN_STEPS  # noqa: E402
 from .test_live_local_steps import FRAGMENTS  # noqa: E402
 
 TOL = 1e-12
@@ -321,8 +321,8 @@ def test_compressed_diloco_trains_on_through_a_kill_and_a_replacement(tmp_path: 
     its replacement healed from a survivor (no public copies: every member restarts them at the change): exit 0, no
     step repeated, accuracy >= 0.95, members 4 -> 3 -> 4, every outer step taken."""
     run = launch(tmp_path, "algorithm=diloco", "algorithm.sync_every=10", "compression=int8", "launch.max_restarts=1",
-                 signals=[Signal(at_step(KILL_AT), signal.SIGKILL, [2])])
+                 signals=[Signal(at_step(KILL_AT), signal.SIGKILL, [2])], steps=JOIN_STEPS)
     check_trained_to_the_end(run)
     assert run.members() == [4, 3, 4], f"{run}"
     outer = [r["outer/step"] for r in run.records if "outer/step" in r]
-    assert outer[-1] == LAUNCH_STEPS // 10, f"outer steps {outer}\n{run}"
+    assert outer[-1] == JOIN_STEPS // 10, f"outer steps {outer}\n{run}"
