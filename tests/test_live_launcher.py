@@ -2,9 +2,10 @@
 the supervisor writes into RUN_DIR/workers.json, once metrics.jsonl reaches a step), and what the run then did read
 back from its console, metrics.jsonl, result.json, workers.json and checkpoints.
 
-Each launch is the default job (4 workers, ring, 400 steps: about 10 s of training on 2 cores, after 15-20 s of
-start; 1200 where a replacement must start and join before the end) and each is bounded by a deadline, a guard against a hang rather than a measurement: on expiry the launcher's session (its workers with it) is
-killed and the test fails with the console and the tail of every worker's log.
+Each launch is the default job (4 workers, ring, 400 steps: about 10 s of training on 2 cores after 15-20 s of
+start; 1200 where a replacement must start and join before the end) and each is bounded by a deadline, a guard
+against a hang rather than a measurement: on expiry the launcher's session (its workers with it) is killed and the
+test fails with the console and the tail of every worker's log.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ KILL_AT = 200  # the signal goes out once metrics.jsonl has a record at this ste
 # One launch, start to exit: 20-70 s here when nothing goes wrong; the 4 workers' start alone took 22-24 s with 2 cores
 # loaded by others (load average 9), so a deadline of a few times that only ends a hang.
 TIMEOUT_S = 480
-JOB = ["fault_tolerance=live", "launch.nproc_per_node=4", "logger.progress_bar=false"]  # with steps=, launch's
+JOB = ["fault_tolerance=live", "launch.nproc_per_node=4", "logger.progress_bar=false"]  # launch() adds steps=
 
 Ready = Callable[["Watch"], bool]
 
