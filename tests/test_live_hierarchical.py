@@ -94,7 +94,9 @@ SCENARIOS: dict[str, tuple[int, list[Epoch]]] = {  # (workers per node as launch
     ]),
 }
 STEPS = 10
-NODE_STEPS, NODE_KILL_AT, NODES_TIMEOUT_S = 3000, 150, 420  # node agents; the spare says hello in ~20 s here
+# node agents; the spare says hello in ~20 s here: its node joined at step 680 (12 s into training), so 2000 steps
+# leave it 3 times that (its start and the training slow down alike on loaded cores)
+NODE_STEPS, NODE_KILL_AT, NODES_TIMEOUT_S = 2000, 150, 420
 
 
 def layouts(per_node: int, epochs: list[Epoch]) -> list[tuple[str, int, str]]:
