@@ -40,8 +40,9 @@ from .test_live_nodes import STOPPED_S, Cluster, _member_pid, _records_written
 REASON = nodes_available()
 DETECT_S = 2.0
 STEPS = 160
-# with a spare: room for its workers to start beside 6 training ones (import torch, build: 30-60 s on 2 loaded cores)
-SPARE_STEPS = 2400
+# with a spare: room for its workers to start beside 6 training ones (import torch, build: 30-60 s on 2 loaded cores);
+# it joined at steps 750-830 with load average 5-6, so 1600 leave it twice the steps it took from the fault
+SPARE_STEPS = 1600
 LOG_EVERY = 10
 FAULT_AT = 60  # the fault once rank 0 has written this step's record
 SPARE_AT = 10  # the spare node starts once training runs; it waits (the run is full) until a node has left
