@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pickle
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -556,3 +558,20 @@ def test_eval_batch_count_is_the_number_of_eval_batches(tmp_path: Path, name: st
             assert count == len(list(on_device)), (batch_size, rank, world)
     assert [data.eval_batch_count(2, r, 3) for r in range(3)] == {"arrays": [2, 1, 1], "tokens": [2, 2, 2],
                                                                   "imagefolder": [1, 1, 1]}[name]
+
+
+def test_digits_are_scikit_learns_without_importing_it() -> None:
+    """The digits read from scikit-learn's file equal what its ``load_digits`` returns, and a fresh process that loads
+    them has not imported scikit-learn (its import is about 2 s of CPU per worker)."""
+    from sklearn.datasets import load_digits
+
+    from decent_train.components.data.arrays import _load_digits
+
+    x, y = _load_digits()
+    bunch = load_digits()
+    assert torch.equal(x, torch.from_numpy(bunch.images).float().div_(16.0).unsqueeze(1))
+    assert torch.equal(y, torch.from_numpy(bunch.target).long())
+    code = ("import sys; from decent_train.components.data.arrays import _load_digits; x, y = _load_digits(); "
+            "print(len(y), 'sklearn' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["1797", "False"], out

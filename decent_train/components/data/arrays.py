@@ -4,6 +4,8 @@ real data, no download), ``synthetic`` (Gaussian class clusters of any size and 
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -124,11 +126,24 @@ def digits(test_fraction: float, split_seed: int) -> TensorData:
 
 
 def _load_digits() -> tuple[Tensor, Tensor]:
-    from sklearn.datasets import load_digits  # imported here: costs a second, only the digits need it
+    """The file scikit-learn's ``load_digits`` reads, read without importing scikit-learn: its import costs each worker
+    about 2 s of CPU at start (scipy and the rest), more than all else the default job loads. scikit-learn's own loader
+    stays the fallback (tests/test_data.py checks the two agree)."""
+    spec = importlib.util.find_spec("sklearn")  # finds the package without running its __init__
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    path = next((Path(f) / "datasets" / "data" / "digits.csv.gz" for f in folders
+                 if (Path(f) / "datasets" / "data" / "digits.csv.gz").is_file()), None)
+    if path is None:
+        from sklearn.datasets import load_digits
 
-    bunch = load_digits()
-    x = torch.from_numpy(bunch.images).float().div_(16.0).unsqueeze(1)  # (N, 1, 8, 8), values in [0, 1]
-    return x, torch.from_numpy(bunch.target).long()
+        bunch = load_digits()
+        images, target = bunch.images, bunch.target
+    else:
+        with gzip.open(path, "rt") as f:
+            rows = np.loadtxt(f, delimiter=",")  # 1797 rows: 64 pixel values 0..16, then the label
+        images, target = rows[:, :-1].reshape(-1, 8, 8), rows[:, -1].astype(np.int64)
+    x = torch.from_numpy(images).float().div_(16.0).unsqueeze(1)  # (N, 1, 8, 8), values in [0, 1]
+    return x, torch.from_numpy(target).long()
 
 
 def digits_train_size(test_fraction: float) -> int:
