@@ -126,8 +126,8 @@ def digits(test_fraction: float, split_seed: int) -> TensorData:
 
 
 def _load_digits() -> tuple[Tensor, Tensor]:
-    """The file scikit-learn's ``load_digits`` reads, read without importing scikit-learn: its import costs each worker
-    about 2 s of CPU at start (scipy and the rest), more than all else the default job loads. scikit-learn's own loader
+    """The file scikit-learn's ``load_digits`` reads, read without importing scikit-learn: that import (scipy with it)
+    was a large part of every worker's start (scripts/BENCHMARKS.md, "A launch's start"). scikit-learn's own loader
     stays the fallback (tests/test_data.py checks the two agree)."""
     spec = importlib.util.find_spec("sklearn")  # finds the package without running its __init__
     folders = list(spec.submodule_search_locations or []) if spec else []
