@@ -562,7 +562,7 @@ def test_eval_batch_count_is_the_number_of_eval_batches(tmp_path: Path, name: st
 
 def test_digits_are_scikit_learns_without_importing_it() -> None:
     """The digits read from scikit-learn's file equal what its ``load_digits`` returns, and a fresh process that loads
-    them has not imported scikit-learn (its import is about 2 s of CPU per worker)."""
+    them has not imported scikit-learn (its import slowed every worker's start: scripts/BENCHMARKS.md)."""
     from sklearn.datasets import load_digits
 
     from decent_train.components.data.arrays import _load_digits

@@ -290,10 +290,9 @@ def refused_runs(tmp_path_factory: pytest.TempPathFactory, cifar_dir: Path) -> d
     """The refused commands of COMMAND_CASES, six at a time (each costs an interpreter start, not a launch)."""
     root = tmp_path_factory.mktemp("ignored")
     runs: dict[str, tuple[str, str, int, Path]] = {}
-    names = COMMAND_CASES
-    for first in range(0, len(names), 6):
+    for first in range(0, len(COMMAND_CASES), 6):
         started = {}
-        for name in names[first:first + 6]:
+        for name in COMMAND_CASES[first:first + 6]:
             run_dir = root / name.replace(" ", "_")
             started[name] = (start(*with_data(name, cifar_dir)[0], f"hydra.run.dir={run_dir}", cwd=root), run_dir)
         runs |= {name: (*proc.communicate(timeout=180), proc.returncode, run_dir)

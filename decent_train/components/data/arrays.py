@@ -131,8 +131,7 @@ def _load_digits() -> tuple[Tensor, Tensor]:
     stays the fallback (tests/test_data.py checks the two agree)."""
     spec = importlib.util.find_spec("sklearn")  # finds the package without running its __init__
     folders = list(spec.submodule_search_locations or []) if spec else []
-    path = next((Path(f) / "datasets" / "data" / "digits.csv.gz" for f in folders
-                 if (Path(f) / "datasets" / "data" / "digits.csv.gz").is_file()), None)
+    path = next((p for p in (Path(f) / "datasets" / "data" / "digits.csv.gz" for f in folders) if p.is_file()), None)
     if path is None:
         from sklearn.datasets import load_digits
 
