@@ -41,7 +41,7 @@ if [ "${1:-}" = "--install-only" ]; then
   exit 0
 fi
 
-"$py" -m pytest -q -m "not slow"
+"$py" -m pytest -q -n 2 --dist loadfile -m "not slow"
 code=$?
 echo "oldest torch: install $((installed - start)) s, tests $(($(date +%s) - installed)) s, pytest exit $code"
 if [ "$code" -eq 5 ]; then

@@ -29,6 +29,8 @@ import pytest
 
 from .jobs import free_port
 
+pytestmark = pytest.mark.alone  # it times its faults or starves the machine: no test shares it (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "user_scripts" / "decent_dp_style.py"
 WORLD = 4

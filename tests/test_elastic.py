@@ -26,6 +26,8 @@ from decent_train.launcher.launch import torchrun_command
 from .jobs import COMMAND, check_succeeded, free_port
 from .test_slurm import SBATCH_SCRIPT, script_env
 
+pytestmark = pytest.mark.alone  # it times its faults or starves the machine: no test shares it (tests/conftest.py)
+
 ELASTIC = {"nnodes": "1:2", "rdzv_endpoint": "node1:29400", "rdzv_id": "job7"}
 
 

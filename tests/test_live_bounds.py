@@ -26,6 +26,8 @@ from decent_train.training.live_changes import HANG_AT_ENV
 from .test_elastic import alive, stopped
 from .test_live_launcher import Ready, Signal, Watch, check_trained_to_the_end, launch
 
+pytestmark = pytest.mark.alone  # it times its faults or starves the machine: no test shares it (tests/conftest.py)
+
 PAUSE_AT = 200  # a record step (logger.log_every=10) that also measures consensus (10) and evaluates (100)
 COMM_TIMEOUT_S = 120
 

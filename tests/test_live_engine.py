@@ -58,6 +58,8 @@ from decent_train import DecentralizedDataParallel
 from decent_train.engine import reconfigure
 from decent_train.training.live import receive_state, send_state
 
+pytestmark = pytest.mark.alone  # it times its faults or starves the machine: no test shares it (tests/conftest.py)
+
 if not reconfigure.supported():
     pytest.skip("live membership needs torch >= 2.14 (reconfigurable gloo process groups)", allow_module_level=True)
 

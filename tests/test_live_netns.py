@@ -51,6 +51,7 @@ ACCURACY = 0.95  # what the other live tests ask
 CHECKPOINT_EVERY = 25  # step 75: a record step whose collectives include a checkpoint's gather (no evaluation)
 
 pytestmark = [
+    pytest.mark.alone,
     pytest.mark.slow,
     pytest.mark.skipif(REASON is not None, reason=REASON or ""),
     pytest.mark.skipif(not reconfigure.supported(), reason="live membership needs torch >= 2.14"),

@@ -36,6 +36,8 @@ from decent_train.training.live import HEARTBEAT_S, MEMBER_ENV, PAUSE_ENV, Keys,
 from .jobs import COMMAND, free_port, records
 from .test_elastic import alive, stopped
 
+pytestmark = pytest.mark.alone  # it times its faults or starves the machine: no test shares it (tests/conftest.py)
+
 DETECT_S = MIN_DETECT_S  # the shortest that the config takes (components/timeouts.py)
 
 

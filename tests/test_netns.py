@@ -22,7 +22,7 @@ from .netns import (PREFIX, Network, Node, delay_line_available, netem_available
                     nodes_available)
 
 REASON = nodes_available()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+pytestmark = [pytest.mark.alone, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 SILENT_S = 1.0  # how long a probe waits where the node must not answer
 ANSWER_S = 10.0  # how long it may wait where the node must answer (a loaded machine; ARP and TCP retrying after heal)
 

@@ -231,6 +231,7 @@ def test_live_keeps_the_launched_batch_at_every_number_of_members() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # it times the refusal
 def test_the_command_refuses_before_any_worker(tmp_path: Path) -> None:
     """The defect's command: one line, exit status 2, no traceback, no worker started (no logs/, the refused run
     directory removed), in seconds (workers take ~15 s to start and fail)."""

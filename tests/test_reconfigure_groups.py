@@ -31,6 +31,8 @@ import torch.multiprocessing as mp
 
 from decent_train.engine import reconfigure
 
+pytestmark = pytest.mark.alone  # it times its faults or starves the machine: no test shares it (tests/conftest.py)
+
 if not reconfigure.supported():
     pytest.skip(reconfigure.why_unsupported(), allow_module_level=True)
 

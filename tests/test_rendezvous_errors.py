@@ -17,6 +17,8 @@ from decent_train.launcher.launch import check_rendezvous_endpoint, torchrun_com
 
 from .jobs import decent_train, start, worker_pids
 
+pytestmark = pytest.mark.alone  # it times its faults or starves the machine: no test shares it (tests/conftest.py)
+
 
 @pytest.fixture
 def foreign_service() -> Iterator[int]:

@@ -283,11 +283,15 @@ def test_a_ctrl_c_during_the_launchers_check_ends_it_at_once(tmp_path: Path) -> 
         (tmp_path / f"rank{rank}.pt").touch()
         os.truncate(tmp_path / f"rank{rank}.pt", 8 << 30)
         ranks.append({"file": f"rank{rank}.pt", "sha256": "0" * 64, "bytes": 8 << 30})
+    runners = signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as a user's Python has it
     timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     start = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        module.verify_checkpoint(module.Checkpoint(tmp_path, {"step": 3, "world_size": 2, "ranks": ranks}))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            module.verify_checkpoint(module.Checkpoint(tmp_path, {"step": 3, "world_size": 2, "ranks": ranks}))
+    finally:
+        signal.signal(signal.SIGINT, runners)
     stopped = time.monotonic() - start
     assert not [t for t in threading.enumerate() if t.name.startswith("verify_checkpoint")]
     assert stopped < 5.0, f"stopped {stopped:.1f} s after the start, 0.5 s after which the signal came"

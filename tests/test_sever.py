@@ -18,7 +18,7 @@ import pytest
 from .netns import nodes, nodes_available
 
 REASON = nodes_available()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+pytestmark = [pytest.mark.alone, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 
 RANK = textwrap.dedent("""
     import sys, threading, time

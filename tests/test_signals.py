@@ -34,7 +34,7 @@ from decent_train.training.stop import EXIT_STOPPED, STOP_FILE
 from .jobs import COMMAND, free_port, start, worker_pids
 from .test_elastic import alive
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.alone, pytest.mark.slow]
 
 STEPS = 160
 JOB = [f"steps={STEPS}", "eval_every=50", "eval_batch_size=1", "logger.progress_bar=false"]  # batch 1: a long eval

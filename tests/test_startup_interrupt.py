@@ -18,7 +18,7 @@ import pytest
 
 from .jobs import COMMAND
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.alone, pytest.mark.slow]
 
 STOPPED = "decent-train: stopped by {}; no checkpoint was written at this stop"
 MOMENTS = (0.07, 0.2, 0.4, 0.6, 0.75)  # of an uninterrupted dry run's time to its lines (0.2 s to 2 s here); not

@@ -27,7 +27,7 @@ from decent_train.training.stop import EXIT_STOPPED, STOP_FILE
 from .jobs import COMMAND
 from .test_signals import last_step
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.alone, pytest.mark.slow]
 
 STEPS = 200
 SWEEP = ["-m", "optim.lr=0.001,0.002,0.003", "launch.nproc_per_node=2", "model=mlp", f"steps={STEPS}",

@@ -31,6 +31,8 @@ from decent_train.engine.ddp import DecentralizedDataParallel
 from .jobs import decent_train, free_port
 from .test_gpu_readiness import mlp, train
 
+pytestmark = pytest.mark.alone  # it times its faults or starves the machine: no test shares it (tests/conftest.py)
+
 ALLREDUCE_PHASE = [{"algorithm": "allreduce", "steps": None}]  # the engine's gradient all-reduce, from the start
 
 
