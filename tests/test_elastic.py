@@ -26,8 +26,6 @@ from decent_train.launcher.launch import torchrun_command
 from .jobs import COMMAND, check_succeeded, free_port
 from .test_slurm import SBATCH_SCRIPT, script_env
 
-pytestmark = pytest.mark.alone  # it times its faults or starves the machine: no test shares it (tests/conftest.py)
-
 ELASTIC = {"nnodes": "1:2", "rdzv_endpoint": "node1:29400", "rdzv_id": "job7"}
 
 
@@ -232,6 +230,7 @@ def step(checkpoint: Path) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # its deadlines assume the machine to itself
 def test_a_lost_node_restarts_the_others_from_the_last_checkpoint(tmp_path: Path) -> None:
     """nnodes 1:2, two agents x two workers on localhost; one agent is killed with SIGKILL on its process group after
     the first checkpoint, as a node's death would. Its workers go with it, and the other agent's two workers go on
