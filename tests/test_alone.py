@@ -15,7 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 SUITE = '''
-import time, os, pytest
+import time, pytest
 from pathlib import Path
 
 def _record(name):

@@ -31,7 +31,10 @@ from decent_train.training.live_changes import STOP_BEFORE_COMMIT_ENV
 from .jobs import COMMAND, records
 from .test_elastic import alive, stopped
 
-pytestmark = [pytest.mark.alone, pytest.mark.skipif(not reconfigure.supported(), reason="live membership needs torch >= 2.14")]
+pytestmark = [
+    pytest.mark.alone,
+    pytest.mark.skipif(not reconfigure.supported(), reason="live membership needs torch >= 2.14"),
+]
 
 # 400 steps reach accuracy >= 0.95 with margin (0.97 by step 200 even on the schedule of 1200), with 200 steps after
 # KILL_AT for the change and the evaluations after it. A replacement, started after the kill, must start and join
