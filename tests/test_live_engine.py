@@ -30,7 +30,7 @@ its next exchange); the survivors train on with it missing, then reconfigure ove
 writes its parameters at the start of every step to a file (the victim too, and in the backward variant its
 half-updated parameters just before it dies), so the parent replays each survivor's steps from the recorded values,
 with the gradients computed here by autograd on a fresh float64 model. Test 2 heals a new member (id 4) from a donor
-(training/live.py ``send_state``) and checks the joiner's state equals the donor's bit for bit. No member runs a
+(training/heal_state.py ``send_state``) and checks the joiner's state equals the donor's bit for bit. No member runs a
 collective with a dead one; every child has an alarm and the parent a deadline, so the suite never hangs.
 """
 
@@ -56,7 +56,7 @@ from torch import Tensor, nn
 
 from decent_train import DecentralizedDataParallel
 from decent_train.engine import reconfigure
-from decent_train.training.live import receive_state, send_state
+from decent_train.training.heal_state import receive_state, send_state
 
 pytestmark = pytest.mark.alone  # it times its faults or starves the machine: no test shares it (tests/conftest.py)
 

@@ -1,4 +1,4 @@
-"""A joiner's heal state comes over the network from a peer (training/live.py ``receive_state``): it must load as
+"""A joiner's heal state comes over the network from a peer (training/heal_state.py ``receive_state``): it must load as
 tensors and plain values only, never run code (``weights_only``), and a state that does not load must be refused in
 one line naming what was refused. And the real heal states still arrive bit for bit.
 
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from decent_train.algorithms import algorithm_class
-from decent_train.training.live import HealStateRefused, receive_state, send_state
+from decent_train.training.heal_state import HealStateRefused, receive_state, send_state
 
 from .distributed import run_workers
 from .jobs import make_cfg, train_on_cpu

@@ -21,6 +21,7 @@ import random
 import signal
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -39,6 +40,7 @@ if not reconfigure.supported():
 STORE_TIMEOUT = timedelta(seconds=30)  # the members' store client; never reached in a passing run
 OP_TIMEOUT = timedelta(seconds=3)  # a collective's limit (join's): how long a survivor may wait on the victim
 RECONFIGURE_TIMEOUT = timedelta(seconds=20)  # the handles' wait and each rendezvous; never reached in a passing run
+RENDEZVOUS_S = 2.0  # the default group's rendezvous bound (reconfigure.RENDEZVOUS_S), shortened in the members
 CHILD_LIMIT_S = 60  # each member's alarm
 WAIT_S = 45.0  # the parent's bound on any one wait
 DATA_SCALE = 100  # a member's value on the data group is this times its value on the default group
@@ -118,6 +120,46 @@ def _traffic(member: int) -> str:
     raise RuntimeError(f"member {member}: no collective failed within {WAIT_S:g} s")
 
 
+def _rendezvous_member(member: int, port: int) -> None:
+    """Epoch 0 with the founders, where the victim dies after publishing its handles (its first look at whether to
+    abandon: the others' are not in yet); what the survivors' reconfigure did; then epoch 1 without it."""
+    store = None
+    try:
+        signal.alarm(CHILD_LIMIT_S)
+        torch.set_num_threads(1)
+        reconfigure.RENDEZVOUS_S = RENDEZVOUS_S
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=STORE_TIMEOUT)
+        reconfigure.join(store, member, OP_TIMEOUT, data_backend="gloo")
+        store.set(f"hello/{member}", "")
+        store.get("victim gone" if member != VICTIM else "plan/0")
+        plan = json.loads(store.get("plan/0"))
+        start = time.monotonic()
+        try:
+            reconfigure.reconfigure(store, 0, plan["uuid"], plan["members"], member, RECONFIGURE_TIMEOUT,
+                                    abandon=_die if member == VICTIM else None)
+            outcome: dict[str, Any] = {"raised": None}
+        except RuntimeError as error:
+            outcome = {"raised": type(error).__name__, "absent": getattr(error, "absent", None)}
+        outcome["seconds"] = time.monotonic() - start
+        store.set(f"rendezvous/{member}", json.dumps(outcome))
+        plan = json.loads(store.get("plan/1"))
+        if not reconfigure.reconfigure(store, 1, plan["uuid"], plan["members"], member, RECONFIGURE_TIMEOUT):
+            raise RuntimeError(f"member {member}: epoch 1's handles did not all come")
+        store.set(f"result/1/{member}", json.dumps(_report(member)))
+        store.get("finished")
+        code = 0
+    except BaseException:
+        code = 1
+        if store is not None:
+            store.set(f"error/{member}", traceback.format_exc())
+    os._exit(code)
+
+
+def _die() -> bool:
+    os.kill(os.getpid(), signal.SIGKILL)
+    return True
+
+
 def _build_nccl2_group(port: int) -> None:
     """Member 5's nccl2 data group, built as ``join`` builds it, without a GPU: what its backend says about it."""
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=STORE_TIMEOUT)
@@ -144,9 +186,9 @@ class Coordinator:
         draw = random.SystemRandom()
         self.uuids = [draw.randrange(1 << 63) for _ in EPOCHS]  # the supervisor's are 63-bit too
 
-    def start(self, member: int, first_epoch: int) -> None:
+    def start(self, member: int, first_epoch: int, target: Callable[[int, int], None] = _member) -> None:
         self.store.set(f"first/{member}", str(first_epoch))
-        self.procs[member] = self.spawn.Process(target=_member, args=(member, self.store.port), daemon=True)
+        self.procs[member] = self.spawn.Process(target=target, args=(member, self.store.port), daemon=True)
         self.procs[member].start()
 
     def plan(self, epoch: int, traffic: bool = False) -> None:
@@ -222,6 +264,33 @@ def test_both_groups_follow_a_kill_and_a_join() -> None:
             coordinator.procs[member].join(WAIT_S)
             code = coordinator.procs[member].exitcode
             assert code == 0, f"member {member} exited {code}"
+    finally:
+        coordinator.close()
+
+
+def test_a_member_dead_after_publishing_its_handles_costs_the_rendezvous_bound() -> None:
+    """Member 1 publishes its handles for epoch 0 and is SIGKILLed before the rendezvous: the survivors' reconfigure
+    fails within the default group's bound (RENDEZVOUS_S), not the reconfiguration's timeout, naming member 1 as
+    absent; then both groups reconfigure into epoch 1 without it."""
+    coordinator = Coordinator()
+    try:
+        for member in FOUNDERS:
+            coordinator.start(member, first_epoch=0, target=_rendezvous_member)
+        coordinator.wait([f"hello/{m}" for m in FOUNDERS])
+        coordinator.plan(0)
+        coordinator.procs[VICTIM].join(WAIT_S)
+        assert coordinator.procs[VICTIM].exitcode == -signal.SIGKILL
+        coordinator.store.set("victim gone", "")
+        survivors = EPOCHS[1]
+        coordinator.wait([f"rendezvous/{m}" for m in survivors])
+        for member in survivors:
+            outcome = json.loads(coordinator.store.get(f"rendezvous/{member}"))
+            seconds = outcome.pop("seconds")
+            assert outcome == {"raised": "RendezvousFailed", "absent": [VICTIM]}, f"member {member}"
+            assert RENDEZVOUS_S <= seconds < RECONFIGURE_TIMEOUT.total_seconds() / 2, f"member {member}: {seconds}"
+        coordinator.plan(1)
+        check_epoch(1, coordinator.results(1))
+        coordinator.store.set("finished", "")
     finally:
         coordinator.close()
 

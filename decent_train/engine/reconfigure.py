@@ -28,11 +28,15 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 __all__ = [
-    "DATA_BACKEND_ENV", "MAX_MEMBER_IDS", "PartlyReconfigured", "control_device", "data_backend_for", "data_group", "group_uuid", "join", "reconfigure",
-    "supported", "why_unsupported",
+    "DATA_BACKEND_ENV", "MAX_MEMBER_IDS", "RENDEZVOUS_S", "PartlyReconfigured", "RendezvousFailed", "control_device",
+    "data_backend_for", "data_group", "group_uuid", "join", "reconfigure", "supported", "why_unsupported",
 ]
 
 MAX_MEMBER_IDS = 1 << 16  # the initial world size: ids (ranks before the first epoch) stay below it
+# The default group's rendezvous, at most (and at most comm_timeout_s). Every member published its handles just before
+# and read the others' after, so it waits for connections only (a whole change takes well under a second:
+# docs/fault-tolerance.md): a member that died after publishing its handles costs the others this, not comm_timeout_s.
+RENDEZVOUS_S = 30.0
 DATA_GROUP = "decent_train_data"  # the data group's name among c10d's groups (and its prefix in the store)
 
 # Tests only: a CPU worker's data group on this backend ("gloo"), exactly as a CUDA worker's is on nccl2, so that CPU
@@ -40,6 +44,15 @@ DATA_GROUP = "decent_train_data"  # the data group's name among c10d's groups (a
 DATA_BACKEND_ENV = "DECENT_TRAIN_LIVE_DATA_BACKEND"
 
 _data: dist.ProcessGroup | None = None  # this process's data group (None: the default group carries the data)
+
+
+class RendezvousFailed(RuntimeError):
+    """The default group's rendezvous did not complete within its bound; the group is as it was. ``absent``: the
+    members (ids) that never reached it (a member that reached it and then died is not among them)."""
+
+    def __init__(self, message: str, absent: list[int]):
+        super().__init__(message)
+        self.absent = absent
 
 
 class PartlyReconfigured(RuntimeError):
@@ -127,6 +140,10 @@ def _handle_key(epoch: int, group: str, member: int) -> str:
     return f"handle/{epoch}/{group}/{member}"
 
 
+def _arrival_key(epoch: int, member: int) -> str:
+    return f"rendezvous/{epoch}/{member}"
+
+
 def reconfigure(
     store: dist.Store, epoch: int, uuid: int, members: list[int], member_id: int, timeout: timedelta,
     abandon: Callable[[], bool] | None = None,
@@ -140,8 +157,9 @@ def reconfigure(
     was; if the data group's fails after the default group's succeeded, ``PartlyReconfigured``: the default group is
     in the new epoch and the data group in its last one; the member has not changed (live.py commits only on True),
     and a newer plan recovers it: reconfiguring needs only fresh handles, whatever members each group had before.
-    The default group goes first: gloo's rendezvous is cheap, so a member that died after publishing its handles costs
-    one timeout there, before any NCCL communicator is torn down or built."""
+    The default group goes first, bounded by ``RENDEZVOUS_S`` (``RendezvousFailed`` past it): gloo's rendezvous is
+    cheap, so a member that died after publishing its handles costs that bound there, before any NCCL communicator
+    is torn down or built. The data group's keeps ``timeout`` (NCCL's communicators take longer to build)."""
     groups: list[tuple[str, dist.ProcessGroup | None]] = [("default", None)]
     if _data is not None:
         groups.append(("data", _data))
@@ -154,12 +172,18 @@ def reconfigure(
             return False
         time.sleep(0.005)
     handles = {name: [store.get(_handle_key(epoch, name, m)).decode() for m in members] for name, _ in groups}
+    store.set(_arrival_key(epoch, member_id), "")
+    rendezvous = min(timeout, timedelta(seconds=RENDEZVOUS_S))
     for index, (name, group) in enumerate(groups):
         try:
-            dist._reconfigure(group_uuid(uuid, index), handles[name], group=group, timeout=timeout).wait()
+            dist._reconfigure(group_uuid(uuid, index), handles[name], group=group,
+                              timeout=rendezvous if index == 0 else timeout).wait()
         except RuntimeError as error:
             if index == 0:
-                raise
+                absent = [m for m in members if not store.check([_arrival_key(epoch, m)])]
+                raise RendezvousFailed(f"member {member_id}: epoch {epoch}'s rendezvous (default group) not done "
+                                       f"within {rendezvous.total_seconds():g} s; not at it: {absent or 'none'}: "
+                                       f"{error}", absent) from error
             raise PartlyReconfigured(f"member {member_id}: the {name} group was not reconfigured into epoch {epoch} "
                                      f"(the default group was): {error}") from error
     return True

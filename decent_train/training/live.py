@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import json
 import os
-import pickle
 import socket
 import statistics
 import threading
@@ -46,10 +44,6 @@ STEP_WINDOW = 101  # the steps the median is taken over (the latest)
 # Tests: "member:step[:collective]": past that step's barrier, that member SIGSTOPs itself before the first collective
 # whose description contains ``collective`` (default: the step's first, a gather) (engine/comm.py's stop_before).
 PAUSE_ENV = "DECENT_TRAIN_TEST_STOP_AFTER_BARRIER"
-
-
-class HealStateRefused(Exception):
-    """A heal state not only of tensors and plain values: the joiner exits (``join`` waits out RuntimeErrors)."""
 
 
 class WaitTimeout(RuntimeError):
@@ -317,6 +311,14 @@ class LiveMembership:
     def _newest_epoch(self) -> int:
         return self._see_epoch(self.store.add(Keys.EPOCH, 0) - 1)
 
+    def _plan_is_out(self, epoch: int, bound: float) -> bool:
+        """Wait up to ``bound`` s for plan ``epoch``; once it is out it is the newest this member knows of (the
+        coordinator bumps ``Keys.EPOCH`` only after it wrote the plan)."""
+        if not wait_for_key(self.store, Keys.plan(epoch), time.monotonic() + bound):
+            return False
+        self._see_epoch(epoch)
+        return True
+
     # -- bounds -------------------------------------------------------------------------------------------------
     def _store_bound(self) -> float:
         """The bound of a wait for the coordinator (a plan, the commits): the store's own timeout (pg_timeout_s)."""
@@ -409,8 +411,7 @@ class LiveMembership:
                 return plan
 
     def _reconfigure(self, plan: Plan) -> bool:
-        """Reconfigure into ``plan``; False if a newer plan came first, or if it failed (a member in it died after
-        publishing its handle: gloo gives up after ``timeout``) and a newer plan is out."""
+        """Reconfigure into ``plan``; False if a newer plan came first, or once one is out after a failed change."""
         with self._record_lock:  # from here on the heartbeat thread severs none of the connections built
             self._record_epoch = None
         try:
@@ -420,13 +421,14 @@ class LiveMembership:
                 self._limit = timedelta(0)
                 self._set_limit(self.timeout)
                 data = reconfigure.data_group()
-                groups = "default group" if data is None else f"default group and data group ({data.name()}, " \
-                    f"{data.size()} ranks)"
+                groups = "default group" + ("" if data is None else f" and data ({data.name()}, {data.size()} ranks)")
                 logger.debug(f"member {self.id}: epoch {plan.epoch}: {groups} reconfigured over {plan.members}")
             return done
-        except reconfigure.PartlyReconfigured:  # the default group is in the epoch, the data group is not: a newer
-            # plan reconfigures both again (whatever state each is in); this member has not changed
+        except (reconfigure.PartlyReconfigured, reconfigure.RendezvousFailed) as error:  # unchanged: a newer plan
+            # reconfigures both groups again (a member died, costing reconfigure.RENDEZVOUS_S, or stalled: reported)
             if self._newest_epoch() <= plan.epoch:
+                if isinstance(error, reconfigure.RendezvousFailed) and error.absent:
+                    self._report_stuck(error.absent, f"not at epoch {plan.epoch}'s rendezvous within the bound")
                 self.wait_for_newer_plan(after=plan.epoch)
             return False
         except (RuntimeError, dist.DistError):
@@ -449,7 +451,7 @@ class LiveMembership:
                 plan = Plan.loads(self.store.get(Keys.plan(newest)))
                 if wanted(plan):
                     return plan
-            if not wait_for_key(self.store, Keys.plan(newest + 1), deadline):
+            if not self._plan_is_out(newest + 1, deadline - time.monotonic()):
                 raise WaitTimeout(f"member {self.id}: no plan with it within {bound:g} s (pg_timeout_s)")
 
     def commit(self) -> None:
@@ -464,7 +466,11 @@ class LiveMembership:
         if not wait_for_key(self.store, outcome, time.monotonic() + bound):
             raise WaitTimeout(f"member {self.id}: {Keys.commit(plan.epoch)} not reached by every member within "
                               f"{bound:g} s (pg_timeout_s)")
-        if self.store.get(outcome) != b"all":
+        if self.store.get(outcome) != b"all":  # the coordinator sets it before it publishes the newer plan: wait for
+            # that plan, or this member would start the change over with the superseded one (same uuid: gloo stalls)
+            if not self._plan_is_out(plan.epoch + 1, bound):
+                raise WaitTimeout(f"member {self.id}: epoch {plan.epoch} superseded, no plan after it within "
+                                  f"{bound:g} s (pg_timeout_s)")
             raise PlanSuperseded
 
     # -- at step boundaries -------------------------------------------------------------------------------------
@@ -547,45 +553,15 @@ class LiveMembership:
         limit): after ``comm_timeout_s`` it is reported to the coordinator; after as long again this worker gives up
         (WaitTimeout: it exits, and is declared lost)."""
         bound = self.timeout.total_seconds()
-        newer = Keys.plan((self.plan.epoch if after is None else after) + 1)
-        if wait_for_key(self.store, newer, time.monotonic() + bound):
+        newer = (self.plan.epoch if after is None else after) + 1
+        if self._plan_is_out(newer, bound):
             return
         if peer is not None:
             self._report_stuck([peer], f"its exchange with member {self.id} failed, no plan {bound:g} s after")
-            if wait_for_key(self.store, newer, time.monotonic() + bound):
+            if self._plan_is_out(newer, bound):
                 return
         raise WaitTimeout(f"member {self.id}: no newer plan within {bound:g} s (comm_timeout_s) after a failed "
                           "exchange with a peer")
-
-
-def send_state(state: dict[str, Any], rank: int) -> int:
-    """``state`` to ``rank`` over the default group (its size first); the bytes sent."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
-    dist.send(torch.tensor([payload.numel()], dtype=torch.int64), rank)
-    dist.send(payload, rank)
-    return payload.numel()
-
-
-def receive_state(rank: int) -> tuple[dict[str, Any], int]:
-    """What :func:`send_state` sent from ``rank``, and its size in bytes; weights_only: a peer runs no code here."""
-    size = torch.zeros(1, dtype=torch.int64)
-    dist.recv(size, rank)
-    payload = torch.empty(int(size), dtype=torch.uint8)
-    dist.recv(payload, rank)
-    # onto the CPU: a CUDA donor's tensors name its own GPU; loading the state copies them to this worker's device
-    try:
-        return torch.load(io.BytesIO(payload.numpy()), map_location="cpu", weights_only=True), int(size)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as error:  # one line, not the unpickler's
-        names: list[str] = []
-        with contextlib.suppress(RuntimeError, ValueError):  # not a torch.save archive: torch's reason says so
-            names = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(payload.numpy()))
-        reasons = [line.split(". ")[0] for line in str(error).splitlines()
-                   if line.strip() and not line.startswith(("Weights only", "Please file", "Check the"))]
-        why = f"{type(error).__name__}: {reasons[0] if reasons else 'no reason given'}"
-    why = f"it names {', '.join(names)}, which weights_only loading refuses" if names else why
-    raise HealStateRefused(f"the heal state from rank {rank} ({int(size)} bytes) was refused: {why[:300]}")
 
 
 def rank_of(plan: Plan, member: int) -> int:

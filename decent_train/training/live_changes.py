@@ -21,9 +21,8 @@ from decent_train.components.metrics import MetricLogger, log_to_console
 from decent_train.config import METRICS_FILE
 from decent_train.training.checkpointer import Checkpointer
 from decent_train.training.job import Job
-from decent_train.training.live import (
-    Keys, LiveMembership, MembersChanged, Plan, PlanSuperseded, rank_of, receive_state, send_state,
-)
+from decent_train.training.heal_state import receive_state, send_state
+from decent_train.training.live import Keys, LiveMembership, MembersChanged, Plan, PlanSuperseded, rank_of
 from decent_train.training.resume import resharded_start
 
 
