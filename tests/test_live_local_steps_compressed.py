@@ -38,7 +38,7 @@ from decent_train.algorithms.local_steps import DiLoCo, LocalSGD
 from decent_train.algorithms.local_steps_algorithms import FrontAlgorithm
 from decent_train.engine import reconfigure
 from decent_train.engine.compress import Compressor, make_compressor
-from decent_train.training.live import receive_state, send_state
+from decent_train.training.heal_state import receive_state, send_state
 
 pytestmark = pytest.mark.alone  # it times its faults or starves the machine: no test shares it (tests/conftest.py)
 
