@@ -421,8 +421,9 @@ class LiveMembership:
                 self._limit = timedelta(0)
                 self._set_limit(self.timeout)
                 data = reconfigure.data_group()
-                groups = "default group" + ("" if data is None else f" and data ({data.name()}, {data.size()} ranks)")
-                logger.debug(f"member {self.id}: epoch {plan.epoch}: {groups} reconfigured over {plan.members}")
+                data_group = "" if data is None else f" and data group ({data.name()}, {data.size()} ranks)"
+                logger.debug(f"member {self.id}: epoch {plan.epoch}: default group{data_group} reconfigured over "
+                             f"{plan.members}")
             return done
         except (reconfigure.PartlyReconfigured, reconfigure.RendezvousFailed) as error:  # unchanged: a newer plan
             # reconfigures both groups again (a member died, costing reconfigure.RENDEZVOUS_S, or stalled: reported)
@@ -539,6 +540,9 @@ class LiveMembership:
         """At the change's step: the default group becomes the newest plan's members (PlanSuperseded if a newer
         plan comes first)."""
         plan = self._latest_plan()
+        if plan.epoch <= self.plan.epoch:  # never an epoch this member is in already (its uuid again stalls gloo)
+            self.wait_for_newer_plan()
+            plan = self._latest_plan()
         if not self._reconfigure(plan):
             raise PlanSuperseded
         self.plan, self._fences = plan, 0
