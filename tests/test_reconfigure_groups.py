@@ -54,7 +54,9 @@ def value(member: int) -> float:
 
 
 # -- a member (spawned: module-level, picklable) ------------------------------------------------------------------
-def _member(member: int, port: int) -> None:
+def _process(member: int, port: int, scenario: Callable[[int, dist.TCPStore], None]) -> None:
+    """A member's process: join both groups (a gloo data group), say hello, play ``scenario``, then wait until the
+    parent has read every report; any failure goes to ``error/<member>`` for the parent."""
     store = None
     try:
         signal.alarm(CHILD_LIMIT_S)
@@ -62,18 +64,7 @@ def _member(member: int, port: int) -> None:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=STORE_TIMEOUT)
         reconfigure.join(store, member, OP_TIMEOUT, data_backend="gloo")
         store.set(f"hello/{member}", "")
-        epoch = int(store.get(f"first/{member}"))  # the first plan that has this member
-        while True:
-            plan = json.loads(store.get(f"plan/{epoch}"))
-            if not reconfigure.reconfigure(store, epoch, plan["uuid"], plan["members"], member, RECONFIGURE_TIMEOUT):
-                raise RuntimeError(f"member {member}: epoch {epoch}'s handles did not all come")
-            store.set(f"result/{epoch}/{member}", json.dumps(_report(member)))
-            if plan["last"]:
-                break
-            if plan["traffic"]:  # until a member's death breaks a collective
-                store.set(f"traffic/{epoch}/{member}", "")
-                store.set(f"broke/{epoch}/{member}", _traffic(member))
-            epoch += 1
+        scenario(member, store)
         store.get("finished")  # nobody leaves before the parent has read every report
         code = 0
     except BaseException:
@@ -81,6 +72,22 @@ def _member(member: int, port: int) -> None:
         if store is not None:
             store.set(f"error/{member}", traceback.format_exc())
     os._exit(code)
+
+
+def _member(member: int, store: dist.TCPStore) -> None:
+    """Every plan that has this member, from its first: reconfigure, report, and traffic where the plan asks."""
+    epoch = int(store.get(f"first/{member}"))
+    while True:
+        plan = json.loads(store.get(f"plan/{epoch}"))
+        if not reconfigure.reconfigure(store, epoch, plan["uuid"], plan["members"], member, RECONFIGURE_TIMEOUT):
+            raise RuntimeError(f"member {member}: epoch {epoch}'s handles did not all come")
+        store.set(f"result/{epoch}/{member}", json.dumps(_report(member)))
+        if plan["last"]:
+            return
+        if plan["traffic"]:  # until a member's death breaks a collective
+            store.set(f"traffic/{epoch}/{member}", "")
+            store.set(f"broke/{epoch}/{member}", _traffic(member))
+        epoch += 1
 
 
 def _report(member: int) -> dict[str, Any]:
@@ -120,39 +127,25 @@ def _traffic(member: int) -> str:
     raise RuntimeError(f"member {member}: no collective failed within {WAIT_S:g} s")
 
 
-def _rendezvous_member(member: int, port: int) -> None:
+def _rendezvous_member(member: int, store: dist.TCPStore) -> None:
     """Epoch 0 with the founders, where the victim dies after publishing its handles (its first look at whether to
     abandon: the others' are not in yet); what the survivors' reconfigure did; then epoch 1 without it."""
-    store = None
+    reconfigure.RENDEZVOUS_S = RENDEZVOUS_S
+    store.get("victim gone" if member != VICTIM else "plan/0")
+    plan = json.loads(store.get("plan/0"))
+    start = time.monotonic()
     try:
-        signal.alarm(CHILD_LIMIT_S)
-        torch.set_num_threads(1)
-        reconfigure.RENDEZVOUS_S = RENDEZVOUS_S
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=STORE_TIMEOUT)
-        reconfigure.join(store, member, OP_TIMEOUT, data_backend="gloo")
-        store.set(f"hello/{member}", "")
-        store.get("victim gone" if member != VICTIM else "plan/0")
-        plan = json.loads(store.get("plan/0"))
-        start = time.monotonic()
-        try:
-            reconfigure.reconfigure(store, 0, plan["uuid"], plan["members"], member, RECONFIGURE_TIMEOUT,
-                                    abandon=_die if member == VICTIM else None)
-            outcome: dict[str, Any] = {"raised": None}
-        except RuntimeError as error:
-            outcome = {"raised": type(error).__name__, "absent": getattr(error, "absent", None)}
-        outcome["seconds"] = time.monotonic() - start
-        store.set(f"rendezvous/{member}", json.dumps(outcome))
-        plan = json.loads(store.get("plan/1"))
-        if not reconfigure.reconfigure(store, 1, plan["uuid"], plan["members"], member, RECONFIGURE_TIMEOUT):
-            raise RuntimeError(f"member {member}: epoch 1's handles did not all come")
-        store.set(f"result/1/{member}", json.dumps(_report(member)))
-        store.get("finished")
-        code = 0
-    except BaseException:
-        code = 1
-        if store is not None:
-            store.set(f"error/{member}", traceback.format_exc())
-    os._exit(code)
+        reconfigure.reconfigure(store, 0, plan["uuid"], plan["members"], member, RECONFIGURE_TIMEOUT,
+                                abandon=_die if member == VICTIM else None)
+        outcome: dict[str, Any] = {"raised": None}
+    except RuntimeError as error:
+        outcome = {"raised": type(error).__name__, "absent": getattr(error, "absent", None)}
+    outcome["seconds"] = time.monotonic() - start
+    store.set(f"rendezvous/{member}", json.dumps(outcome))
+    plan = json.loads(store.get("plan/1"))
+    if not reconfigure.reconfigure(store, 1, plan["uuid"], plan["members"], member, RECONFIGURE_TIMEOUT):
+        raise RuntimeError(f"member {member}: epoch 1's handles did not all come")
+    store.set(f"result/1/{member}", json.dumps(_report(member)))
 
 
 def _die() -> bool:
@@ -186,9 +179,11 @@ class Coordinator:
         draw = random.SystemRandom()
         self.uuids = [draw.randrange(1 << 63) for _ in EPOCHS]  # the supervisor's are 63-bit too
 
-    def start(self, member: int, first_epoch: int, target: Callable[[int, int], None] = _member) -> None:
+    def start(self, member: int, first_epoch: int,
+              scenario: Callable[[int, dist.TCPStore], None] = _member) -> None:
         self.store.set(f"first/{member}", str(first_epoch))
-        self.procs[member] = self.spawn.Process(target=target, args=(member, self.store.port), daemon=True)
+        self.procs[member] = self.spawn.Process(target=_process, args=(member, self.store.port, scenario),
+                                                daemon=True)
         self.procs[member].start()
 
     def plan(self, epoch: int, traffic: bool = False) -> None:
@@ -275,7 +270,7 @@ def test_a_member_dead_after_publishing_its_handles_costs_the_rendezvous_bound()
     coordinator = Coordinator()
     try:
         for member in FOUNDERS:
-            coordinator.start(member, first_epoch=0, target=_rendezvous_member)
+            coordinator.start(member, first_epoch=0, scenario=_rendezvous_member)
         coordinator.wait([f"hello/{m}" for m in FOUNDERS])
         coordinator.plan(0)
         coordinator.procs[VICTIM].join(WAIT_S)
