@@ -540,9 +540,6 @@ class LiveMembership:
         """At the change's step: the default group becomes the newest plan's members (PlanSuperseded if a newer
         plan comes first)."""
         plan = self._latest_plan()
-        if plan.epoch <= self.plan.epoch:  # never an epoch this member is in already (its uuid again stalls gloo)
-            self.wait_for_newer_plan()
-            plan = self._latest_plan()
         if not self._reconfigure(plan):
             raise PlanSuperseded
         self.plan, self._fences = plan, 0
