@@ -210,12 +210,14 @@ class Coordinator:
         return self.changes[-1].plan
 
     def _publish(self, members: list[int], **kwargs: Any) -> Plan:
-        """Write the next plan. A change not committed yet is superseded (its members wait on that outcome)."""
+        """Write the next plan. A change not committed yet is superseded (its members wait on that outcome). The
+        outcome's first writer wins: the last member to commit may set "all" after the count here, and then the
+        change is committed for the coordinator too."""
         for change in self.changes:
             if not change.committed:
-                change.committed = self.store.add(Keys.commit(change.plan.epoch), 0) >= len(change.plan.members)
-                if not change.committed:
-                    self.store.compare_set(Keys.committed(change.plan.epoch), "", "superseded")
+                outcome = Keys.committed(change.plan.epoch)
+                change.committed = (self.store.add(Keys.commit(change.plan.epoch), 0) >= len(change.plan.members)
+                                    or self.store.compare_set(outcome, "", "superseded") == b"all")
         epoch = len(self.changes)
         nodes = [self.members[m].node for m in members]
         plan = Plan(epoch, members, uuid.uuid4().int >> 65, detected_at=time.time(), nodes=nodes, **kwargs)
