@@ -148,6 +148,52 @@ def test_ctrl_c_that_torchs_import_swallows_still_stops(tmp_path: Path) -> None:
     check_stopped(proc, signal.SIGINT)
 
 
+# A stop signal at the k-th import that torch's C++ makes while it initializes autograd (``torch._C._autograd_init``
+# imports the half-imported ``torch`` six times, through importlib's Python code, where the handler runs). Before, the
+# handler's exception crossed that C++: at the 4th, the command died of SIGSEGV (measured, torch 2.14.1).
+IN_AUTOGRAD_INIT = """
+import os, signal, sys
+
+imports = 0
+def profile(frame, event, arg):
+    if event == "c_call" and getattr(arg, "__name__", "") == "_autograd_init":
+        sys.setprofile(in_autograd_init)
+
+def in_autograd_init(frame, event, arg):
+    global imports
+    if event == "call" and frame.f_code.co_name == "_lock_unlock_module":
+        imports += 1
+        if imports == int(os.environ["AT_IMPORT"]):
+            sys.setprofile(None)
+            open(os.environ["SENT_FILE"], "w").close()
+            os.kill(os.getpid(), signal.SIGTERM)
+    elif event == "c_return" and getattr(arg, "__name__", "") == "_autograd_init":
+        sys.setprofile(None)
+
+sys.setprofile(profile)
+sys.argv = ["decent-train", *sys.argv[1:]]
+from decent_train.launcher.cli import main
+main()
+"""
+AUTOGRAD_INIT_IMPORTS = 6
+
+
+def test_a_stop_while_torchs_cpp_runs_python_in_its_import_is_one_line(tmp_path: Path) -> None:
+    """The signal at each import that torch's C++ makes while it initializes autograd, one process each (all at once:
+    each ends seconds in): every one ends in the one line and 143, none in a crash."""
+    procs = {}
+    for k in range(1, AUTOGRAD_INIT_IMPORTS + 1):
+        (tmp_path / str(k)).mkdir()
+        argv = [sys.executable, "-c", IN_AUTOGRAD_INIT, *dry_run(tmp_path / str(k) / "run")[1:]]
+        procs[k] = subprocess.Popen(argv, cwd=tmp_path / str(k), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, env={**os.environ, "AT_IMPORT": str(k),
+                                                    "SENT_FILE": str(tmp_path / str(k) / "sent")})
+    for k, proc in procs.items():
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+        assert (tmp_path / str(k) / "sent").exists(), f"torch's autograd init no longer makes {k} imports"
+        check_stopped(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), signal.SIGTERM)
+
+
 SWALLOWING = '''"""A user's module that takes a Ctrl-C and goes on, as torch's import does when one lands in numpy's."""
 import os
 import signal

@@ -19,13 +19,11 @@ from decent_train.launcher import interrupt
 def main() -> None:
     """Console entry point. Errors in the user's input end in one line on stderr and exit status 2 (job.py); a stop
     signal before the workers start (they have their own handling: launch.py) in one line and 128 + its number."""
-    interrupt.install()  # first: before the slow import
+    interrupt.install(at_once=True)  # first: before the slow import
+    with _quiet_cpp_log():
+        from decent_train.launcher.job import run
+    interrupt.install()
     try:
-        with _quiet_cpp_log():
-            from decent_train.launcher.job import run
-
-        if interrupt.RECEIVED:  # raised during the import, and swallowed there
-            interrupt.exit_stopped(interrupt.RECEIVED[0])
         run()
     except (KeyboardInterrupt, interrupt.Stopped, Exception) as error:
         sig = interrupt.stop_signal(error)

@@ -3,11 +3,14 @@
 with a checkpoint; ``job._exit_stopped`` says how to go on).
 
 Standard library only: ``cli.main`` installs these handlers before it imports the rest of the command (torch, Hydra:
-seconds), which a Ctrl-C most likely cuts short.
+seconds), which a Ctrl-C most likely cuts short. During that import a handler ends the process itself instead of
+raising: torch's C++ runs Python code while it initializes (imports, from ``torch._C._autograd_init``), and an
+exception raised there crossed its C++ and crashed the command (SIGSEGV, or SIGABRT with "terminate called").
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from types import FrameType
@@ -32,11 +35,13 @@ def exception(sig: signal.Signals) -> BaseException:
     return KeyboardInterrupt() if sig == signal.SIGINT else Stopped(sig)
 
 
-def install() -> None:
-    """The handlers, unless SIGINT is ignored (a shell's background job): that stays so."""
+def install(at_once: bool = False) -> None:
+    """The handlers, unless SIGINT is ignored (a shell's background job): that stays so. ``at_once``: the handler
+    ends the process where it is (while the command imports torch: nothing to clean up yet), else it raises."""
+    handler = _exit_at_once if at_once else _raise
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
-        if sig != signal.SIGINT or signal.getsignal(sig) is signal.default_int_handler:
-            signal.signal(sig, _raise)
+        if sig != signal.SIGINT or signal.getsignal(sig) in (signal.default_int_handler, _exit_at_once, _raise):
+            signal.signal(sig, handler)
 
 
 def _raise(signum: int, frame: FrameType | None) -> None:
@@ -45,10 +50,16 @@ def _raise(signum: int, frame: FrameType | None) -> None:
     raise exception(sig)
 
 
+def _exit_at_once(signum: int, frame: FrameType | None) -> NoReturn:
+    sys.stderr.write(_stopped_line(signal.Signals(signum)))
+    sys.stderr.flush()
+    os._exit(128 + signum)
+
+
 def raise_if_received() -> None:
     """Raise the stop these handlers took, if any, where the command is about to start something that takes long
-    (a sweep's next job, the workers). The exception a handler raises can be swallowed where it lands: torch's import
-    does, in numpy's; so does any finalizer or weakref callback that the garbage collector runs (Python prints
+    (a sweep's next job, the workers). The exception a handler raises can be swallowed where it lands: a user's module
+    may (tests/test_startup_interrupt.py), and so does any finalizer or weakref callback that the garbage collector runs (Python prints
     "Exception ignored" and goes on), and a job ran to the end after its Ctrl-C (a sweep's, once in the CI's run)."""
     if RECEIVED:
         raise exception(RECEIVED[0])
@@ -56,7 +67,7 @@ def raise_if_received() -> None:
 
 def stop_signal(error: BaseException | None) -> signal.Signals | None:
     """The stop signal that ended the command with ``error`` (None: it went on). Its own, or, for any other error, the
-    first that came: a library may swallow the exception and go on (torch's import does, in numpy's), or fail in its
+    first that came: a library may swallow the exception and go on (a user's module may), or fail in its
     clean-up of the state it left (OmegaConf's ``flag_override``, in Hydra's composition): both measured."""
     sig = getattr(error, "sigval", None)  # Stopped, or torch's SignalException (a node agent's second Ctrl-C)
     if isinstance(sig, signal.Signals):
@@ -67,5 +78,10 @@ def stop_signal(error: BaseException | None) -> signal.Signals | None:
 
 
 def exit_stopped(sig: signal.Signals) -> NoReturn:
-    print(f"decent-train: stopped by {sig.name}; no checkpoint was written at this stop", file=sys.stderr, flush=True)
+    sys.stderr.write(_stopped_line(sig))
+    sys.stderr.flush()
     raise SystemExit(128 + int(sig)) from None
+
+
+def _stopped_line(sig: signal.Signals) -> str:
+    return f"decent-train: stopped by {sig.name}; no checkpoint was written at this stop\n"
