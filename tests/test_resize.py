@@ -199,24 +199,24 @@ def test_resharded_data_continues_the_epoch_where_the_old_workers_stopped() -> N
 
 @pytest.mark.slow
 def test_cli_continues_a_4_worker_checkpoint_on_2_and_8_workers(tmp_path: Path) -> None:
-    """The default job, checkpointed by 4 workers at step 300 of 600, continued with resume= on 2 and on 8."""
+    """The default job, checkpointed by 4 workers at step 200 of 400, continued with resume= on 2 and on 8."""
     source = tmp_path / "source"
-    check_succeeded(decent_train("steps=600", "checkpoint.every=300", "eval_every=0", "logger.progress_bar=false",
+    check_succeeded(decent_train("steps=400", "checkpoint.every=200", "eval_every=0", "logger.progress_bar=false",
                                  f"hydra.run.dir={source}", cwd=tmp_path))
-    shutil.rmtree(source / "checkpoints" / "step_00000600")  # as if it had stopped after step 300
+    shutil.rmtree(source / "checkpoints" / "step_00000400")  # as if it had stopped after step 200
     for workers in (2, 8):
         run_dir = tmp_path / f"on{workers}"
-        proc = decent_train("steps=600", "checkpoint.every=300", "eval_every=0", "logger.progress_bar=false",
+        proc = decent_train("steps=400", "checkpoint.every=200", "eval_every=0", "logger.progress_bar=false",
                             f"resume={source}", f"launch.nproc_per_node={workers}", f"hydra.run.dir={run_dir}",
                             cwd=tmp_path)
         check_succeeded(proc)
-        said = f"resumed step 300 from 4 workers' checkpoint on {workers} workers: models and optimizer states averaged"
+        said = f"resumed step 200 from 4 workers' checkpoint on {workers} workers: models and optimizer states averaged"
         assert said in proc.stdout + proc.stderr
         result = json.loads((run_dir / RESULT_FILE).read_text())
         assert (result["world_size"], result["resumed_from_world_size"]) == (workers, 4)
-        assert (result["resumed_from_step"], result["steps"]) == (300, 600)
+        assert (result["resumed_from_step"], result["steps"]) == (200, 400)
         assert result["eval/accuracy"] >= 0.95
         logged = [r["step"] for r in records(run_dir)]
-        assert logged[0] == 300 + (logged[1] - logged[0]) and logged[-1] == 600
-        assert [c.manifest["world_size"] for c in complete_checkpoints(run_dir)] == [workers]  # step 600
+        assert logged[0] == 200 + (logged[1] - logged[0]) and logged[-1] == 400
+        assert [c.manifest["world_size"] for c in complete_checkpoints(run_dir)] == [workers]  # step 400
         assert all(c.run_world_size == 4 for c in complete_checkpoints(run_dir))
