@@ -59,8 +59,8 @@ def _exit_at_once(signum: int, frame: FrameType | None) -> NoReturn:
 def raise_if_received() -> None:
     """Raise the stop these handlers took, if any, where the command is about to start something that takes long
     (a sweep's next job, the workers). The exception a handler raises can be swallowed where it lands: a user's module
-    may (tests/test_startup_interrupt.py), and so does any finalizer or weakref callback that the garbage collector runs (Python prints
-    "Exception ignored" and goes on), and a job ran to the end after its Ctrl-C (a sweep's, once in the CI's run)."""
+    may (tests/test_startup_interrupt.py), and so does any finalizer or weakref callback that the garbage collector
+    runs (Python prints "Exception ignored" and goes on); a job ran to the end after its Ctrl-C (a sweep's, in CI)."""
     if RECEIVED:
         raise exception(RECEIVED[0])
 
