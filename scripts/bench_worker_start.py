@@ -6,7 +6,7 @@ forkserver outlives its first launch: a second one in the same process starts in
 
     python scripts/bench_worker_start.py [--rounds 3] [--workers 4]
 
-Why: process start-up is most of a short launch on 2 cores, and the test suite launches about 150 of them
+Why: process start-up is most of a short launch on 2 cores, and the slow tests are mostly launches
 (scripts/BENCHMARKS.md, "The same machine, slower by half").
 """
 
