@@ -55,14 +55,15 @@ def main() -> None:
         work()
         return
     if args.one:
-        multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "scripts.bench_worker_start"])
+        multiprocessing.set_forkserver_preload(["torch", "torch.distributed"])
         print(launch(args.one, args.workers))
         return
     walls: dict[str, list[float]] = {"interpreters": [], "forkserver": []}
     for _ in range(args.rounds):
         for mode in walls:
-            one = [sys.executable, __file__, "--one", mode, "--workers", str(args.workers)]
-            walls[mode].append(float(subprocess.run(one, capture_output=True, text=True, check=True).stdout.split()[-1]))
+            one = subprocess.run([sys.executable, __file__, "--one", mode, "--workers", str(args.workers)],
+                                 capture_output=True, text=True, check=True)
+            walls[mode].append(float(one.stdout.split()[-1]))
     medians = {mode: statistics.median(values) for mode, values in walls.items()}
     for mode, values in walls.items():
         print(f"{mode:>12}: median {medians[mode]:.1f} s wall  ({', '.join(f'{v:.1f}' for v in values)})")

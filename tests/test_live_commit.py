@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -80,7 +81,7 @@ class LastMembersCommitAfterTheCoordinatorCounts:
         return count
 
 
-def test_a_change_committed_while_the_coordinator_publishes_is_committed_for_both(tmp_path) -> None:
+def test_a_change_committed_while_the_coordinator_publishes_is_committed_for_both(tmp_path: Path) -> None:
     """The last member commits epoch 1 between the coordinator's count of the commits and its "superseded": the
     members then go on in epoch 1 (the outcome they read is "all"), so the coordinator must count it committed too,
     and take its members as the established ones (who heal a joiner). Oracle: the outcome key the members act on."""
