@@ -58,9 +58,11 @@ def _restart_store(timeout: timedelta) -> dist.Store | None:
 
 def die_with_agent() -> None:
     """Have the kernel kill this worker when the elastic agent that started it dies (the launcher names it in
-    ``DECENT_TRAIN_AGENT_PID``). The agent starts each worker in a session of its own, so a killed agent (a node lost,
-    as far as the other nodes can tell) would leave its workers running: they would hold the node's place in every
-    collective, and an elastic job would never notice the loss. Linux only (``PR_SET_PDEATHSIG``)."""
+    ``DECENT_TRAIN_AGENT_PID``; a worker forked from the launcher's forkserver dies with the forkserver, which dies with
+    the launcher: decent_train/forkserver.py). The agent starts the workers in a session of their own, so a killed
+    agent (a node lost, as far as the other nodes can tell) would leave its workers running: they would hold the
+    node's place in every collective, and an elastic job would never notice the loss. Linux only
+    (``PR_SET_PDEATHSIG``)."""
     agent = os.environ.get("DECENT_TRAIN_AGENT_PID")
     if agent is None or sys.platform != "linux":
         return

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import functools
 import gc
+import multiprocessing
 import os
 import sys
 from datetime import timedelta
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from loguru import logger
+from setproctitle import setproctitle
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from decent_train.components.metrics import setup_worker_logging
@@ -22,7 +25,9 @@ from decent_train.config import load_config
 from decent_train.engine.comm import peers_must_answer
 from decent_train.runtime import WholeErrorFile, die_with_agent, init_distributed
 from decent_train.training import stop, train
-from decent_train.training.live import STORE_ENV, LiveMembership, connect
+from decent_train.training.live import MEMBER_ENV, STORE_ENV, LiveMembership, connect
+
+FORKSERVER_ENVIRON: dict[str, str] = {}  # the forkserver's environment, in the processes forked from it
 
 
 @functools.partial(record, error_handler=WholeErrorFile())
@@ -69,6 +74,34 @@ def main(argv: list[str] | None = None) -> None:
             live.close(finished)
         dist.destroy_process_group()
     logger.complete()  # everything is written and the process group is gone; the interpreter exits as usual
+
+
+def forked(config_path: str, cwd: str, environ: dict[str, str]) -> None:
+    """The worker, forked from the launcher's forkserver (decent_train/forkserver.py) rather than started as
+    ``python -m decent_train.worker CONFIG``. The forkserver outlives a launch and kept the directory and environment
+    of the first: the worker takes those of its launcher now, with what torch's agent set for it (rank, store) over
+    them, and the forkserver in place of the launcher as the process it dies with."""
+    # Its command line is the forkserver's: ps, top and pgrep -f show this instead. First: setproctitle finds the
+    # command line's memory through the environment's, as the process started.
+    member = environ.get(MEMBER_ENV)  # fault_tolerance=live: a member, ranked by the coordinator later
+    who = f"member {member}" if member else f"rank {os.environ.get('RANK')} of {os.environ.get('WORLD_SIZE')}"
+    setproctitle(f"decent_train.worker {config_path} ({who})")
+    agents = {k: v for k, v in os.environ.items() if FORKSERVER_ENVIRON.get(k) != v}
+    os.environ.clear()
+    os.environ.update(environ)
+    os.environ.update(agents)
+    os.environ[stop.AGENT_PID_ENV] = FORKSERVER_ENVIRON[stop.AGENT_PID_ENV]
+    os.chdir(cwd)
+    sys.argv = [__file__, config_path]
+    # multiprocessing made the forkserver this process's default way to start one; the platform's, as in a fresh
+    # interpreter (a DataLoader's workers, tqdm's lock: a forkserver's locks are named, a killed worker's outlive it)
+    multiprocessing.set_start_method(None, force=True)
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # OpenMP read it once, as the forkserver imported torch
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    try:
+        main()
+    except Exception:  # main's @record wrote the error file, whole; the agent's @record around this would rewrite it
+        sys.exit(1)
 
 
 if __name__ == "__main__":

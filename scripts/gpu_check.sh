@@ -17,7 +17,7 @@
 # Without one: prints "no CUDA GPU: skip mode" and the plan, shows the GPU tests skipping, exits 0.
 #
 # On the workplace's GPU machine (python3 3.12, torch 2.11, no network, no hydra-core/omegaconf/loguru), first here:
-# `bash scripts/gpu_wheels.sh` (fills .whl/, 460 KiB), then the device tool's `run` with carry [".whl"],
+# `bash scripts/gpu_wheels.sh` (fills .whl/, 500 KiB), then the device tool's `run` with carry [".whl"],
 # timeout_s 600 and this command (outputs: $OUT/gpu/, 4 files, one folder down):
 #
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; nvidia-smi -L; bash scripts/gpu_check.sh $OUT/gpu

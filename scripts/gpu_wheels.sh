@@ -5,17 +5,18 @@
 #
 # The GPU machine (Python 3.12, torch 2.11 with CUDA 13, x86-64, no network) has torch, torchvision, numpy,
 # scikit-learn, matplotlib, tqdm, PyYAML, packaging, pytest and pillow, but not hydra-core, omegaconf (with its parser
-# runtime antlr4-python3-runtime) or loguru: /work/.library/device/KINDS.md lists its packages. wandb is imported only
-# by logger=wandb runs, decent-dp and torchft only by CPU tests, so none of them travels. The versions are the ones
-# this checkout is tested with (pyproject.toml's ranges). All four are pure Python; antlr4-python3-runtime 4.9.3 is
-# published as a source archive only, so pip builds its wheel here. The header of scripts/gpu_check.sh has the device
-# command that installs them (pip install --target) and runs the check.
+# runtime antlr4-python3-runtime), loguru or setproctitle: /work/.library/device/KINDS.md lists its packages. wandb
+# is imported only by logger=wandb runs, decent-dp and torchft only by CPU tests, so none of them travels. The
+# versions are the ones this checkout is tested with (pyproject.toml's ranges). All are pure Python but setproctitle
+# (its cp312 manylinux wheel); antlr4-python3-runtime 4.9.3 is published as a source archive only, so pip builds its
+# wheel here. The header of scripts/gpu_check.sh has the device command that installs them (pip install --target) and
+# runs the check.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON="${PYTHON:-python3}"
 WHEELS=.whl
 # name==version, one version each: two versions of one package stop the install on the GPU machine
-BINARY=(hydra-core==1.3.8 omegaconf==2.3.1 loguru==0.7.3)
+BINARY=(hydra-core==1.3.8 omegaconf==2.3.1 loguru==0.7.3 setproctitle==1.3.8)
 FROM_SOURCE=(antlr4-python3-runtime==4.9.3)
 
 rm -rf "$WHEELS"
@@ -28,7 +29,7 @@ mkdir -p "$WHEELS"
 # Each wheel pure Python (py3-none-any), and what each requires present (in .whl or on the GPU machine):
 for wheel in "$WHEELS"/*.whl; do
     case "$(basename "$wheel")" in
-        *-py3-none-any.whl | *-py2.py3-none-any.whl) ;;
+        *-py3-none-any.whl | *-py2.py3-none-any.whl | *-cp312-cp312-*manylinux*x86_64*.whl) ;;
         *) echo "gpu_wheels: $(basename "$wheel") is not pure Python: check it matches cp312 manylinux x86-64" >&2 ;;
     esac
     echo "$(basename "$wheel"): $(unzip -p "$wheel" '*.dist-info/METADATA' | grep '^Requires-Dist' | grep -v 'extra ==' \

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -79,20 +80,24 @@ def free_port() -> int:
 
 
 def worker_pids(run_dir: Path) -> dict[int, int]:
-    """rank -> pid of this run's worker processes (read from /proc)."""
+    """rank -> pid of this run's worker processes (read from /proc): forked from the launcher's forkserver, they
+    name themselves ``decent_train.worker CONFIG (rank R of W)``; started as ``python -m decent_train.worker CONFIG``
+    (torchrun), their environment holds the rank."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            environ = dict(
-                item.split(b"=", 1) for item in (entry / "environ").read_bytes().split(b"\0") if b"=" in item
-            )
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"decent_train.worker" in cmdline and str(run_dir).encode() in b" ".join(cmdline) and b"RANK" in environ:
-            found[int(environ[b"RANK"])] = int(entry.name)
+        if b"decent_train.worker" not in cmdline or str(run_dir).encode() not in cmdline:
+            continue
+        titled = re.search(rb"\(rank (\d+) of \d+\)", cmdline)
+        rank = titled.group(1) if titled else next((e[5:] for e in environ if e.startswith(b"RANK=")), None)
+        if rank is not None:
+            found[int(rank)] = int(entry.name)
     return found
 
 

@@ -255,7 +255,7 @@ def test_a_lost_node_restarts_the_others_from_the_last_checkpoint(tmp_path: Path
         survivor = listening_pid(port, [a.pid for a in agents])  # the rendezvous lives there: it must stay
         (victim,) = (a for a in agents if a.pid != survivor)
         below = descendants(victim.pid)
-        assert len([pid for pid in below if "decent_train.worker" in cmdline(pid)]) == 2, below  # its two workers
+        assert len([pid for pid in below if "decent_train.worker" in " ".join(cmdline(pid))]) == 2, below  # its workers
         os.killpg(victim.pid, signal.SIGKILL)
         victim.wait(timeout=10)
         deadline = time.monotonic() + 10

@@ -91,8 +91,9 @@ def test_torchrun_command_carries_the_store_timeout(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_the_workers_keep_torchs_cpp_messages(tmp_path: Path) -> None:
-    """The launcher silences torch's C++ log for itself only: a worker's environment holds no
-    ``TORCH_CPP_LOG_LEVEL`` unless the user's did (their NCCL and gloo warnings are theirs to see)."""
+    """The launcher silences torch's C++ log for itself only: the environment torch is imported in for the workers
+    (the forkserver they are forked from) holds no ``TORCH_CPP_LOG_LEVEL`` unless the user's did (their NCCL and gloo
+    warnings are theirs to see)."""
     for users in (None, "INFO"):
         run_dir = tmp_path / f"run-{users}"
         proc = start("launch.nproc_per_node=1", "steps=100000", "logger=jsonl", f"hydra.run.dir={run_dir}",
@@ -102,7 +103,9 @@ def test_the_workers_keep_torchs_cpp_messages(tmp_path: Path) -> None:
             while not (pids := worker_pids(run_dir)) and time.monotonic() < deadline and proc.poll() is None:
                 time.sleep(0.1)
             assert pids, proc.communicate()[1] if proc.poll() is not None else "no worker within 120 s"
-            environ = (Path("/proc") / str(pids[0]) / "environ").read_bytes().split(b"\0")
+            forkserver = (Path("/proc") / str(pids[0]) / "stat").read_text().rsplit(")", 1)[1].split()[1]
+            assert b"multiprocessing.forkserver" in (Path("/proc") / forkserver / "cmdline").read_bytes()
+            environ = (Path("/proc") / forkserver / "environ").read_bytes().split(b"\0")
             levels = [item for item in environ if item.startswith(b"TORCH_CPP_LOG_LEVEL=")]
             assert levels == ([f"TORCH_CPP_LOG_LEVEL={users}".encode()] if users else []), levels
         finally:

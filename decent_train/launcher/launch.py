@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import shlex
 import signal
@@ -29,8 +31,10 @@ from torch.distributed.launcher.api import elastic_launch
 from decent_train.components.launch import TORCH_STORE_TIMEOUT_S
 from decent_train.config import TORCH_KEEP_ALIVE_S, TORCH_LAST_CALL_S, LaunchConfig
 from decent_train.training.stop import AGENT_PID_ENV, FORWARDED, REQUEST_FILE, STOP_SIGNALS
+from decent_train.worker import forked
 
 WORKER_MODULE = "decent_train.worker"
+FORKSERVER_MODULE = "decent_train.forkserver"  # what the process the workers are forked from imports first
 # torch 2.15 shares the rank-0 agent's TCP store with the workers and caches its address across rendezvous rounds.
 # When a node joins a running job, an agent that stays rank 0 does not publish the address for the new round, and both
 # agents wait for each other until they time out (seen here); when rank 0's node is lost, the nodes left keep its dead
@@ -148,15 +152,16 @@ def launch_workers(cfg: LaunchConfig, config_path: Path) -> signal.Signals | Non
         max_restarts=cfg.max_restarts,
         monitor_interval=cfg.monitor_interval,
         signals_to_handle="SIGHUP,SIGQUIT",  # the agent's way: it forwards them and waits (30 s), then kills
+        start_method="forkserver",
     )
     threads = cfg.threads_per_worker or default_threads_per_worker(cfg.nproc_per_node)
     # The agent logs each failure at ERROR; WorkerFailure reports the first one instead.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
-    os.environ[AGENT_PID_ENV] = str(os.getpid())  # the workers die with this agent (runtime.py: die_with_agent)
     with StopForwarding(config_path.parent / REQUEST_FILE) as forward, _environment(OMP_NUM_THREADS=str(threads),
                                                    **(ELASTIC_ENV if cfg.elastic else {})):
+        start_forkserver()
         try:
-            elastic_launch(elastic, sys.executable)("-u", "-m", WORKER_MODULE, str(config_path))
+            elastic_launch(elastic, forked)(str(config_path), os.getcwd(), dict(os.environ))
             return forward.received
         except ChildFailedError as error:
             if forward.received is not None:  # killed by a second Ctrl-C, or by the signal before its handler was set
@@ -168,9 +173,41 @@ def launch_workers(cfg: LaunchConfig, config_path: Path) -> signal.Signals | Non
             raise RendezvousFailed(_rendezvous_failure(cfg, error)) from None
 
 
+def start_forkserver() -> None:
+    """Start, unless it runs, the process the workers are forked from instead of starting as interpreters: it
+    imports torch and the training code once (decent_train/forkserver.py), unbuffered as ``python -u`` is, and dies
+    with this process (runtime.py: die_with_agent). It outlives a launch: each worker takes the directory and the
+    environment of its own (worker.forked). From the main thread: a process dies with the thread that started it."""
+    os.environ[AGENT_PID_ENV] = str(os.getpid())
+    multiprocessing.set_forkserver_preload([FORKSERVER_MODULE])
+    with _environment(PYTHONUNBUFFERED="1"):
+        multiprocessing.forkserver.ensure_running()
+
+
+class ForkedWorker:
+    """A worker forked from the forkserver (:func:`start_forkserver`), watched through the part of
+    ``subprocess.Popen``'s interface that launcher/node_agent.py uses."""
+
+    def __init__(self, config_path: Path, environ: dict[str, str]) -> None:
+        self.process = multiprocessing.get_context("forkserver").Process(
+            target=forked, args=(str(config_path), os.getcwd(), environ), name="decent_train.worker")
+        self.process.start()
+        self.pid = self.process.pid
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def wait(self) -> int | None:
+        self.process.join()
+        return self.process.exitcode
+
+
 class StopForwarding:
-    """The launcher's handler of the stop signals while its workers (this process's children running the worker
-    module: torchrun's, or launcher/node_agent.py's) run: the first goes on to every worker; a SIGINT after it
+    """The launcher's handler of the stop signals while its workers (forked by torchrun's agent, or started by
+    launcher/node_agent.py: :func:`_workers`) run: the first goes on to every worker; a SIGINT after it
     kills them (SIGKILL) and raises SignalException, which ends torchrun's agent's wait. Installed as a context."""
 
     def __init__(self, request_file: Path | None = None) -> None:
@@ -227,16 +264,19 @@ def _catches(pid: int, sig: signal.Signals) -> bool:
 
 
 def _workers() -> list[int]:
-    """This process's children that run the worker module (the agent starts them; read from /proc)."""
-    me, found = str(os.getpid()), []
+    """This process's workers: its children that run the worker module (launcher/node_agent.py starts them), and
+    the children of its forkserver (torch's agent forks them there: launch_workers). Read from /proc."""
+    parents, commands = {}, {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            if entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1] == me and \
-                    WORKER_MODULE.encode() in entry.joinpath("cmdline").read_bytes():
-                found.append(int(entry.name))
-    return found
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                parents[entry.name] = entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1]
+                commands[entry.name] = entry.joinpath("cmdline").read_bytes()
+    me = str(os.getpid())
+    children = [pid for pid, parent in parents.items() if parent == me and pid in commands]
+    servers = {pid for pid in children if b"multiprocessing.forkserver" in commands[pid]}
+    return [int(pid) for pid, parent in parents.items()
+            if (parent == me and WORKER_MODULE.encode() in commands.get(pid, b"")) or parent in servers]
 
 
 TORCH_RENDEZVOUS_DEFAULTS = {"last_call_timeout": TORCH_LAST_CALL_S, "keep_alive_interval": TORCH_KEEP_ALIVE_S,

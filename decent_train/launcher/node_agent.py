@@ -38,8 +38,8 @@ from omegaconf import OmegaConf
 from decent_train.components.data import prepare as prepare_data
 from decent_train.config import RESOLVED_CONFIG, TrainConfig, check_config
 from decent_train.launcher.coordinator import NodeKeys, exit_reason
-from decent_train.launcher.launch import AGENT_PID_ENV, WORKER_MODULE, StopForwarding, WorkerFailure, \
-    default_threads_per_worker, pass_stop_on
+from decent_train.launcher.launch import AGENT_PID_ENV, ForkedWorker, StopForwarding, WorkerFailure, \
+    default_threads_per_worker, pass_stop_on, start_forkserver
 from decent_train.training.live import HEARTBEAT_S, MEMBER_ENV, STORE_ENV, Keys, address_towards
 from decent_train.training.stop import REQUEST_FILE
 
@@ -56,7 +56,7 @@ SIOCGIFADDR = 0x8915
 @dataclass
 class _Worker:
     id: int
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] | ForkedWorker
     founder: bool  # started at registration: the hello bound applies
     started: float = field(default_factory=time.monotonic)
     hello: bool = False
@@ -70,14 +70,17 @@ class _Worker:
 class NodeAgent:
     """One node's workers for the coordinator at ``coordinator`` (HOST:PORT). :meth:`run` returns when the
     coordinator ends the run; raises :class:`WorkerFailure` when the coordinator fenced this node off. ``command``:
-    what a worker runs (tests start stand-ins); default ``python -m decent_train.worker CONFIG``."""
+    what a worker runs (tests start stand-ins); default: a worker forked from the launcher's forkserver
+    (``launch.ForkedWorker``), the same as ``python -m decent_train.worker CONFIG``."""
 
     def __init__(self, cfg: TrainConfig, config_path: Path, coordinator: str, stopping: StopForwarding,
                  command: list[str] | None = None) -> None:
         self.cfg, self.ft = cfg, cfg.fault_tolerance
         self.coordinator = coordinator
         self.stopping = stopping
-        self.command = command or [sys.executable, "-u", "-m", WORKER_MODULE, str(config_path)]
+        self.config_path, self.command = config_path, command
+        if command is None:
+            start_forkserver()  # here, in the thread that lives as long as the agent (replacements start in another)
         self.nproc = cfg.launch.nproc_per_node or 1
         self.threads = cfg.launch.threads_per_worker or default_threads_per_worker(self.nproc)
         self.store = connect(coordinator, cfg.pg_timeout_s)  # the coordinator may come up after this agent
@@ -133,7 +136,8 @@ class NodeAgent:
         if member is None:
             member = self.store.add(NodeKeys.MEMBER_IDS, 1) - 1
         self.store.add(Keys.beat(member), 0)  # exists before the worker beats: read in one multi_get
-        process = subprocess.Popen(self.command, env={**self.env, MEMBER_ENV: str(member)})
+        env = {**self.env, MEMBER_ENV: str(member)}
+        process = subprocess.Popen(self.command, env=env) if self.command else ForkedWorker(self.config_path, env)
         self.workers[member] = _Worker(member, process, founder)
         self._report("started", member=member, pid=process.pid)
         return member

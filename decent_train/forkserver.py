@@ -1,0 +1,22 @@
+"""The process decent-train's launcher forks its workers from (launcher/launch.py): multiprocessing's forkserver imports
+this module before its first fork, so every worker starts with torch and the training code imported, instead of
+importing them itself: about 4 s of CPU per worker, most of a short launch on a few cores (scripts/BENCHMARKS.md,
+"Workers forked from a forkserver").
+
+Importing it makes of the forkserver what torch's agent made of each worker it started as an interpreter: a session
+of its own, so that the terminal's Ctrl-C reaches the launcher only, which passes it on (launch.py: StopForwarding);
+and a process that dies with the launcher, as the workers then die with it (runtime.die_with_agent). Its environment
+is the launcher's when it started: each worker takes the launcher's of its own launch (worker.forked).
+"""
+
+import os
+
+os.setsid()  # first: until the forkserver ignores SIGINT, after this import, a Ctrl-C on the terminal would end it
+
+from decent_train import worker  # noqa: E402  (imported once here, for every worker)
+from decent_train.runtime import die_with_agent  # noqa: E402
+from decent_train.training.stop import AGENT_PID_ENV  # noqa: E402
+
+die_with_agent()
+os.environ[AGENT_PID_ENV] = str(os.getpid())  # the workers die with this process
+worker.FORKSERVER_ENVIRON.update(os.environ)
