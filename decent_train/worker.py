@@ -78,9 +78,19 @@ def main(argv: list[str] | None = None) -> None:
 
 def forked(config_path: str, cwd: str, environ: dict[str, str]) -> None:
     """The worker, forked from the launcher's forkserver (decent_train/forkserver.py) rather than started as
-    ``python -m decent_train.worker CONFIG``. The forkserver outlives a launch and kept the directory and environment
-    of the first: the worker takes those of its launcher now, with what torch's agent set for it (rank, store) over
-    them, and the forkserver in place of the launcher as the process it dies with."""
+    ``python -m decent_train.worker CONFIG``: the same run, the same exit status."""
+    take_the_launch(config_path, cwd, environ)
+    try:
+        main()
+    except Exception:  # main's @record wrote the error file, whole; the agent's @record around this would rewrite it
+        sys.exit(1)
+
+
+def take_the_launch(config_path: str, cwd: str, environ: dict[str, str]) -> None:
+    """Make this process, forked from the forkserver, what the launcher would have started now as an interpreter.
+    The forkserver outlives a launch and kept the directory and environment of the first: this takes those of the
+    launcher at this launch (``cwd``, ``environ``), with what torch's agent set for this worker over them (rank,
+    store), and the forkserver in place of the launcher as the process it dies with."""
     # Its command line is the forkserver's: ps, top and pgrep -f show this instead. First: setproctitle finds the
     # command line's memory through the environment's, as the process started.
     member = environ.get(MEMBER_ENV)  # fault_tolerance=live: a member, ranked by the coordinator later
@@ -98,10 +108,6 @@ def forked(config_path: str, cwd: str, environ: dict[str, str]) -> None:
     multiprocessing.set_start_method(None, force=True)
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # OpenMP read it once, as the forkserver imported torch
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    try:
-        main()
-    except Exception:  # main's @record wrote the error file, whole; the agent's @record around this would rewrite it
-        sys.exit(1)
 
 
 if __name__ == "__main__":

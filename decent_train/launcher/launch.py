@@ -182,6 +182,11 @@ def start_forkserver() -> None:
     multiprocessing.set_forkserver_preload([FORKSERVER_MODULE])
     with _environment(PYTHONUNBUFFERED="1"):
         multiprocessing.forkserver.ensure_running()
+    # Returns once it has imported all that (seconds, the first time), so that no worker's start waits on it: a node
+    # agent's loop, which must answer the coordinator within fault_tolerance.detect_s, then waits milliseconds.
+    probe = multiprocessing.get_context("forkserver").Process(target=os.getpid)
+    probe.start()
+    probe.join()
 
 
 class ForkedWorker:
