@@ -1,8 +1,8 @@
 """How long torch's elastic agent takes to start 4 workers that join a gloo group, all-reduce once and end: each
-worker a fresh interpreter that imports torch (what ``launch.launch_workers`` does now), against workers forked
-from a forkserver that imported torch once (``start_method="forkserver"`` with a preload). Both in turns, in one
-run, each launch in a launcher process of its own that has imported torch already, as ``decent-train`` has (a
-forkserver outlives its first launch: a second one in the same process starts in about 0.5 s).
+worker a fresh interpreter that imports torch (what ``launch.launch_workers`` did before 2026-11-29), against
+workers forked from a forkserver that imported torch once (``start_method="forkserver"`` with a preload, what it does
+now). Both in turns, in one run, each launch in a launcher process of its own that has imported torch already, as
+``decent-train`` has (a forkserver outlives its first launch: a second one in the same process starts in about 0.5 s).
 
     python scripts/bench_worker_start.py [--rounds 3] [--workers 4]
 

@@ -31,7 +31,7 @@ from decent_train.components.timeouts import MIN_DETECT_S
 from decent_train.config import TrainConfig, check_config
 from decent_train.engine import reconfigure
 from decent_train.launcher.coordinator import Coordinator, NodeKeys
-from decent_train.training.live import HEARTBEAT_S, MEMBER_ENV, PAUSE_ENV, Keys, Plan
+from decent_train.training.live import HEARTBEAT_S, PAUSE_ENV, Keys, Plan
 
 from .jobs import COMMAND, free_port, records
 from .test_elastic import alive, stopped
@@ -449,14 +449,21 @@ STOPPED_S = 0.3  # the paused member stopped this long before its node is killed
 
 
 def _member_pid(agent_pid: int, member: int) -> int | None:
-    """The pid of ``member``, a worker the agent ``agent_pid`` started (its environment names the member)."""
-    for task in Path(f"/proc/{agent_pid}/task").glob("*"):
-        with contextlib.suppress(OSError):
-            for child in (task / "children").read_text().split():
-                environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
-                if f"{MEMBER_ENV}={member}".encode() in environ:
-                    return int(child)
+    """The pid of ``member``, a worker the agent ``agent_pid`` forked from its forkserver (it names itself)."""
+    for server in _children(agent_pid):
+        for child in _children(server):
+            with contextlib.suppress(OSError):
+                if f"(member {member})".encode() in Path(f"/proc/{child}/cmdline").read_bytes():
+                    return child
     return None
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            found += [int(child) for child in (task / "children").read_text().split()]
+    return found
 
 
 @pytest.mark.slow

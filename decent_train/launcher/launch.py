@@ -269,19 +269,38 @@ def _catches(pid: int, sig: signal.Signals) -> bool:
 
 
 def _workers() -> list[int]:
-    """This process's workers: its children that run the worker module (launcher/node_agent.py starts them), and
-    the children of its forkserver (torch's agent forks them there: launch_workers). Read from /proc."""
-    parents, commands = {}, {}
+    """This process's workers: its children that run the worker module (a node agent's ``command``), and the
+    children of its forkserver (:func:`start_forkserver`). Read from /proc."""
+    processes, me = _processes(), str(os.getpid())
+    servers = {pid for pid, (parent, command) in processes.items()
+               if parent == me and b"multiprocessing.forkserver" in command}
+    return [int(pid) for pid, (parent, command) in processes.items()
+            if (parent == me and WORKER_MODULE.encode() in command) or parent in servers]
+
+
+def kill_forkserver() -> None:
+    """Kill this process's forkserver and multiprocessing's resource tracker (its children that run them), and reap
+    them; for a node agent that gives up and ends at once: nothing of it may go on running on its node. Once its
+    workers are gone: the tracker outlives every process that holds its pipe."""
+    me = str(os.getpid())
+    for pid, (parent, command) in _processes().items():
+        if parent == me and any(f"multiprocessing.{name}".encode() in command
+                                for name in ("forkserver", "resource_tracker")):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(int(pid), 0)
+
+
+def _processes() -> dict[str, tuple[str, bytes]]:
+    """pid -> (parent pid, command line) of every process (/proc)."""
+    found = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError):
-                parents[entry.name] = entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1]
-                commands[entry.name] = entry.joinpath("cmdline").read_bytes()
-    me = str(os.getpid())
-    children = [pid for pid, parent in parents.items() if parent == me and pid in commands]
-    servers = {pid for pid in children if b"multiprocessing.forkserver" in commands[pid]}
-    return [int(pid) for pid, parent in parents.items()
-            if (parent == me and WORKER_MODULE.encode() in commands.get(pid, b"")) or parent in servers]
+                parent = entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1]
+                found[entry.name] = (parent, entry.joinpath("cmdline").read_bytes())
+    return found
 
 
 TORCH_RENDEZVOUS_DEFAULTS = {"last_call_timeout": TORCH_LAST_CALL_S, "keep_alive_interval": TORCH_KEEP_ALIVE_S,

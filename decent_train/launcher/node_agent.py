@@ -39,7 +39,7 @@ from decent_train.components.data import prepare as prepare_data
 from decent_train.config import RESOLVED_CONFIG, TrainConfig, check_config
 from decent_train.launcher.coordinator import NodeKeys, exit_reason
 from decent_train.launcher.launch import AGENT_PID_ENV, ForkedWorker, StopForwarding, WorkerFailure, \
-    default_threads_per_worker, pass_stop_on, start_forkserver
+    default_threads_per_worker, kill_forkserver, pass_stop_on, start_forkserver
 from decent_train.training.live import HEARTBEAT_S, MEMBER_ENV, STORE_ENV, Keys, address_towards
 from decent_train.training.stop import REQUEST_FILE
 
@@ -108,6 +108,7 @@ class NodeAgent:
             silent = time.monotonic() - self.last_contact
             if silent > self.ft.detect_s:
                 self.kill_all()
+                kill_forkserver()
                 message = (f"node agent {self.node}: no answer from the coordinator at {self.coordinator} for "
                            f"{silent:.1f} s (fault_tolerance.detect_s={self.ft.detect_s:g}): stopped its "
                            f"{len(self.workers)} workers; the run goes on without this node, or ends if the "
