@@ -6,7 +6,7 @@ importing them itself: about 4 s of CPU per worker, most of a short launch on a 
 Importing it makes of the forkserver what torch's agent made of each worker it started as an interpreter: a session
 of its own, so that the terminal's Ctrl-C reaches the launcher only, which passes it on (launch.py: StopForwarding);
 and a process that dies with the launcher, as the workers then die with it (runtime.die_with_agent). Its environment
-is the launcher's when it started: each worker takes the launcher's of its own launch (worker.forked).
+is the launcher's when it started: each worker takes the launcher's of its own launch (worker.take_the_launch).
 """
 
 import os

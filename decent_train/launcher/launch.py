@@ -11,7 +11,6 @@ import shlex
 import signal
 import socket
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -177,7 +176,8 @@ def start_forkserver() -> None:
     """Start, unless it runs, the process the workers are forked from instead of starting as interpreters: it
     imports torch and the training code once (decent_train/forkserver.py), unbuffered as ``python -u`` is, and dies
     with this process (runtime.py: die_with_agent). It outlives a launch: each worker takes the directory and the
-    environment of its own (worker.forked). From the main thread: a process dies with the thread that started it."""
+    environment of its own (worker.take_the_launch). From the main thread: a process dies with the thread that
+    started it."""
     os.environ[AGENT_PID_ENV] = str(os.getpid())
     multiprocessing.set_forkserver_preload([FORKSERVER_MODULE])
     with _environment(PYTHONUNBUFFERED="1"):
