@@ -25,6 +25,8 @@ from decent_train.launcher.launch import start_forkserver
 from decent_train.runtime import die_with_agent
 from decent_train.training.stop import AGENT_PID_ENV
 
+from .test_elastic import alive
+
 
 def _report(queue: Any, agents: dict[str, str], config: str, cwd: str, environ: dict[str, str]) -> None:
     """A forked worker up to its training: torch's agent sets its variables (``_wrap``), then the worker takes the
@@ -73,7 +75,7 @@ def test_a_forked_worker_takes_the_launch_it_belongs_to(tmp_path: Path, monkeypa
 LAUNCHER = textwrap.dedent("""
     import multiprocessing, sys, time
     from decent_train.launcher.launch import start_forkserver
-    import test_forkserver
+    from tests import test_forkserver
 
     if __name__ == "__main__":
         start_forkserver()
@@ -89,17 +91,10 @@ def _train_forever() -> None:
     time.sleep(600)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_a_killed_launcher_takes_its_forkserver_and_workers_with_it(tmp_path: Path) -> None:
     """SIGKILL to the launcher alone (not its process group: the forkserver has a session of its own): a node lost."""
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True,
-                                env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]),
                                                                                   *sys.path])})
     try:
         assert launcher.stdout is not None
@@ -109,9 +104,9 @@ def test_a_killed_launcher_takes_its_forkserver_and_workers_with_it(tmp_path: Pa
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait(timeout=10)
         deadline = time.monotonic() + 10
-        while (_alive(server) or _alive(pid)) and time.monotonic() < deadline:
+        while (alive(server) or alive(pid)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(server) and not _alive(pid)
+        assert not alive(server) and not alive(pid)
     finally:
         launcher.kill()
         launcher.wait()

@@ -271,25 +271,28 @@ def _catches(pid: int, sig: signal.Signals) -> bool:
 def _workers() -> list[int]:
     """This process's workers: its children that run the worker module (a node agent's ``command``), and the
     children of its forkserver (:func:`start_forkserver`). Read from /proc."""
-    processes, me = _processes(), str(os.getpid())
-    servers = {pid for pid, (parent, command) in processes.items()
-               if parent == me and b"multiprocessing.forkserver" in command}
-    return [int(pid) for pid, (parent, command) in processes.items()
-            if (parent == me and WORKER_MODULE.encode() in command) or parent in servers]
+    processes = _processes()
+    servers = _children_running(processes, "multiprocessing.forkserver")
+    return [int(pid) for pid in _children_running(processes, WORKER_MODULE)] + \
+        [int(pid) for pid, (parent, _) in processes.items() if parent in servers]
 
 
 def kill_forkserver() -> None:
     """Kill this process's forkserver and multiprocessing's resource tracker (its children that run them), and reap
     them; for a node agent that gives up and ends at once: nothing of it may go on running on its node. Once its
     workers are gone: the tracker outlives every process that holds its pipe."""
+    for pid in _children_running(_processes(), "multiprocessing.forkserver", "multiprocessing.resource_tracker"):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(int(pid), 0)
+
+
+def _children_running(processes: dict[str, tuple[str, bytes]], *names: str) -> set[str]:
+    """The pids of this process's children whose command line holds one of ``names``."""
     me = str(os.getpid())
-    for pid, (parent, command) in _processes().items():
-        if parent == me and any(f"multiprocessing.{name}".encode() in command
-                                for name in ("forkserver", "resource_tracker")):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(int(pid), 0)
+    return {pid for pid, (parent, command) in processes.items()
+            if parent == me and any(name.encode() in command for name in names)}
 
 
 def _processes() -> dict[str, tuple[str, bytes]]:
