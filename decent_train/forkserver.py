@@ -5,18 +5,32 @@ importing them itself: about 4 s of CPU per worker, most of a short launch on a 
 
 Importing it makes of the forkserver what torch's agent made of each worker it started as an interpreter: a session
 of its own, so that the terminal's Ctrl-C reaches the launcher only, which passes it on (launch.py: StopForwarding);
-and a process that dies with the launcher, as the workers then die with it (runtime.die_with_agent). Its environment
-is the launcher's when it started: each worker takes the launcher's of its own launch (worker.take_the_launch).
+and a process that dies with the launcher, as the workers then die with it (runtime.die_with_agent), from its first
+lines: the command starts it before its own imports (launcher/forking.py). Its environment is the launcher's when it
+started: each worker takes the launcher's of its own launch (worker.take_the_launch).
 """
 
+import ctypes
+import importlib
 import os
+import signal
+import sys
 
 os.setsid()  # first: until the forkserver ignores SIGINT, after this import, a Ctrl-C on the terminal would end it
 
+from decent_train.launcher.forking import LAUNCHER_PID_ENV  # noqa: E402  (imports nothing heavy)
+
+# Dies with the launcher from here on, not only after the seconds of imports below: a command that ends while they run
+# (a mistake in the input, a Ctrl-C, a SIGKILL) leaves nothing running, and its output pipes are closed at once.
+if sys.platform == "linux":
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+if os.getppid() != int(os.environ[LAUNCHER_PID_ENV]):  # it died before the line above
+    sys.exit(0)
+
 from decent_train import worker  # noqa: E402  (imported once here, for every worker)
-from decent_train.runtime import die_with_agent  # noqa: E402
 from decent_train.training.stop import AGENT_PID_ENV  # noqa: E402
 
-die_with_agent()
+# torch's optimizers import torch._dynamo when the first is built: about 2 s of CPU in every worker otherwise
+importlib.import_module("torch._dynamo")
 os.environ[AGENT_PID_ENV] = str(os.getpid())  # the workers die with this process
 worker.FORKSERVER_ENVIRON.update(os.environ)

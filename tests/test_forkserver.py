@@ -3,10 +3,12 @@ interpreter that the launcher would have started at that launch (``python -m dec
 its environment with torch's agent's variables over it, its thread count, the platform's way to start processes and
 a name in ``ps``; and they die with the launcher. The forkserver outlives a launch, so each test changes the
 launcher's state after it started. Oracles: the launcher's values at the launch, and a fresh interpreter's default.
+The command starts its forkserver before its own imports (launcher/forking.py): one it refuses leaves nothing behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -21,10 +23,12 @@ import pytest
 import torch
 
 from decent_train import worker
+from decent_train.launcher.forking import LAUNCHER_PID_ENV, launches_workers
 from decent_train.launcher.launch import start_forkserver
 from decent_train.runtime import die_with_agent
 from decent_train.training.stop import AGENT_PID_ENV
 
+from .jobs import start
 from .test_elastic import alive
 
 
@@ -39,7 +43,7 @@ def _report(queue: Any, agents: dict[str, str], config: str, cwd: str, environ: 
 
 
 def test_a_forked_worker_takes_the_launch_it_belongs_to(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(AGENT_PID_ENV, "")  # start_forkserver names this process; restored afterwards
+    monkeypatch.setenv(LAUNCHER_PID_ENV, "")  # start_forkserver names this process; restored afterwards
     monkeypatch.setenv("LAUNCH_VALUE", "first")
     monkeypatch.setenv("GONE_SINCE", "first")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -63,7 +67,7 @@ def test_a_forked_worker_takes_the_launch_it_belongs_to(tmp_path: Path, monkeypa
     assert environ["RANK"] == "3" and environ["WORLD_SIZE"] == "4" and environ["LAUNCH_VALUE"] == "agent"
     assert "GONE_SINCE" not in environ
     assert {k: v for k, v in environ.items() if k not in ("RANK", "WORLD_SIZE", "LAUNCH_VALUE", AGENT_PID_ENV)} == {
-        k: v for k, v in os.environ.items() if k not in ("LAUNCH_VALUE", AGENT_PID_ENV)}
+        k: v for k, v in os.environ.items() if k != "LAUNCH_VALUE"}
     assert environ[AGENT_PID_ENV] == str(got["ppid"]) != str(os.getpid())  # it dies with the forkserver
     assert got["threads"] == 2
     fresh = subprocess.run([sys.executable, "-c", "import multiprocessing; print(multiprocessing.get_start_method())"],
@@ -110,3 +114,47 @@ def test_a_killed_launcher_takes_its_forkserver_and_workers_with_it(tmp_path: Pa
     finally:
         launcher.kill()
         launcher.wait()
+
+
+def _forkserver_of(pid: int) -> int | None:
+    """The forkserver among the children of process ``pid``, if it has one."""
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                with contextlib.suppress(OSError):
+                    if b"multiprocessing.forkserver" in Path(f"/proc/{child}/cmdline").read_bytes():
+                        return int(child)
+    return None
+
+
+@pytest.mark.parametrize("end", ["refused", "killed"])
+def test_a_command_that_ends_while_its_forkserver_imports_takes_it_along(end: str, tmp_path: Path) -> None:
+    """The forkserver starts with the command, so it is still importing torch when a mistake in the input ends the
+    command (after Hydra's composition), or a SIGKILL does at once: it must end with the command, not import on for
+    seconds."""
+    command = start("topology=nonsense" if end == "refused" else "steps=5", f"hydra.run.dir={tmp_path / 'run'}",
+                    cwd=tmp_path)
+    server = None
+    while command.poll() is None and server is None:
+        server = _forkserver_of(command.pid)
+        time.sleep(0.01)
+    assert server is not None, "the command started no forkserver"
+    if end == "killed":
+        command.kill()
+    command.wait(timeout=120)  # not communicate(): the forkserver holds the command's output pipes while it runs
+    deadline = time.monotonic() + 0.5  # a SIGKILL as the command ends; the imports would take seconds more
+    while alive(server) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not alive(server)
+    _, stderr = command.communicate()
+    assert command.returncode == 2 and "topology=nonsense" in stderr if end == "refused" else command.returncode == -9
+
+
+@pytest.mark.parametrize(("args", "launches"), [
+    ([], True), (["topology=ring", "steps=40"], True), (["-m", "topology=ring,complete"], True),
+    (["--config-dir", "my_conf", "recipe=cpu_demo"], True), (["--help"], False), (["--cfg", "job"], False),
+    (["dry_run=true"], False), (["dry_run=True", "steps=3"], False), (["fault_tolerance.role=coordinator"], False),
+    (["-m", "hydra/launcher=slurm", "seed=1,2"], False),
+])
+def test_the_command_starts_a_forkserver_only_where_it_launches(args: list[str], launches: bool) -> None:
+    assert launches_workers(args) == launches

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 
-from decent_train.launcher import interrupt
+from decent_train.launcher import forking, interrupt
 
 
 def main() -> None:
     """Console entry point. Errors in the user's input end in one line on stderr and exit status 2 (job.py); a stop
     signal before the workers start (they have their own handling: launch.py) in one line and 128 + its number."""
     interrupt.install(at_once=True)  # first: before the slow import
+    if forking.launches_workers(sys.argv[1:]):
+        forking.spawn_forkserver()  # its imports on another core, while this process does its own
     with _quiet_cpp_log():
         from decent_train.launcher.job import run
     interrupt.install()

@@ -5,14 +5,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
-import multiprocessing.forkserver
 import os
 import shlex
 import signal
 import socket
 import subprocess
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -29,11 +27,11 @@ from torch.distributed.launcher.api import elastic_launch
 
 from decent_train.components.launch import TORCH_STORE_TIMEOUT_S
 from decent_train.config import TORCH_KEEP_ALIVE_S, TORCH_LAST_CALL_S, LaunchConfig
-from decent_train.training.stop import AGENT_PID_ENV, FORWARDED, REQUEST_FILE, STOP_SIGNALS
+from decent_train.launcher.forking import environment, spawn_forkserver
+from decent_train.training.stop import FORWARDED, REQUEST_FILE, STOP_SIGNALS
 from decent_train.worker import forked
 
 WORKER_MODULE = "decent_train.worker"
-FORKSERVER_MODULE = "decent_train.forkserver"  # what the process the workers are forked from imports first
 # torch 2.15 shares the rank-0 agent's TCP store with the workers and caches its address across rendezvous rounds.
 # When a node joins a running job, an agent that stays rank 0 does not publish the address for the new round, and both
 # agents wait for each other until they time out (seen here); when rank 0's node is lost, the nodes left keep its dead
@@ -156,7 +154,7 @@ def launch_workers(cfg: LaunchConfig, config_path: Path) -> signal.Signals | Non
     threads = cfg.threads_per_worker or default_threads_per_worker(cfg.nproc_per_node)
     # The agent logs each failure at ERROR; WorkerFailure reports the first one instead.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
-    with StopForwarding(config_path.parent / REQUEST_FILE) as forward, _environment(OMP_NUM_THREADS=str(threads),
+    with StopForwarding(config_path.parent / REQUEST_FILE) as forward, environment(OMP_NUM_THREADS=str(threads),
                                                    **(ELASTIC_ENV if cfg.elastic else {})):
         start_forkserver()
         try:
@@ -173,15 +171,11 @@ def launch_workers(cfg: LaunchConfig, config_path: Path) -> signal.Signals | Non
 
 
 def start_forkserver() -> None:
-    """Start, unless it runs, the process the workers are forked from instead of starting as interpreters: it
-    imports torch and the training code once (decent_train/forkserver.py), unbuffered as ``python -u`` is, and dies
-    with this process (runtime.py: die_with_agent). It outlives a launch: each worker takes the directory and the
-    environment of its own (worker.take_the_launch). From the main thread: a process dies with the thread that
-    started it."""
-    os.environ[AGENT_PID_ENV] = str(os.getpid())
-    multiprocessing.set_forkserver_preload([FORKSERVER_MODULE])
-    with _environment(PYTHONUNBUFFERED="1"):
-        multiprocessing.forkserver.ensure_running()
+    """Start, unless it runs (the command started it: forking.py), the process the workers are forked from instead of
+    starting as interpreters: it imports torch and the training code once (decent_train/forkserver.py), and dies with
+    this process. It outlives a launch: each worker takes the directory and the environment of its own
+    (worker.take_the_launch)."""
+    spawn_forkserver()
     # Returns once it has imported all that (seconds, the first time), so that no worker's start waits on it: a node
     # agent's loop, which must answer the coordinator within fault_tolerance.detect_s, then waits milliseconds.
     probe = multiprocessing.get_context("forkserver").Process(target=os.getpid)
@@ -369,22 +363,6 @@ def _failure(error: ChildFailedError) -> WorkerFailure:
     else:
         what = "no Python error recorded (it failed before it started, or exited on its own)"
     return WorkerFailure(f"worker rank {rank} failed (exit code {failure.exitcode}): {what}", traceback.rstrip())
-
-
-@contextlib.contextmanager
-def _environment(**values: str) -> Iterator[None]:
-    """Set environment variables for the workers, unless the user set them, and restore them afterwards."""
-    saved = {k: os.environ.get(k) for k in values}
-    for key, value in values.items():
-        os.environ.setdefault(key, value)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def format_command(argv: list[str]) -> str:

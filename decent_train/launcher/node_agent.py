@@ -38,10 +38,10 @@ from omegaconf import OmegaConf
 from decent_train.components.data import prepare as prepare_data
 from decent_train.config import RESOLVED_CONFIG, TrainConfig, check_config
 from decent_train.launcher.coordinator import NodeKeys, exit_reason
-from decent_train.launcher.launch import AGENT_PID_ENV, ForkedWorker, StopForwarding, WorkerFailure, \
-    default_threads_per_worker, kill_forkserver, pass_stop_on, start_forkserver
+from decent_train.launcher.launch import ForkedWorker, StopForwarding, WorkerFailure, default_threads_per_worker, \
+    kill_forkserver, pass_stop_on, start_forkserver
 from decent_train.training.live import HEARTBEAT_S, MEMBER_ENV, STORE_ENV, Keys, address_towards
-from decent_train.training.stop import REQUEST_FILE
+from decent_train.training.stop import AGENT_PID_ENV, REQUEST_FILE
 
 POLL_S = 0.02  # between two looks at the worker processes (an exit is seen this soon)
 STALE_S = 0.5  # a heartbeat this old: look whether the worker said it is done (it stops beating as it exits)

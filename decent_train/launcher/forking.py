@@ -1,0 +1,56 @@
+"""The process the workers are forked from (decent_train/forkserver.py), started in the command's first milliseconds
+(cli.py) when the command looks like it trains here: its seconds of imports (torch, torch._dynamo, the training code)
+then run on another core while the launcher imports torch and composes the config, not after them
+(scripts/BENCHMARKS.md, "The forkserver started with the command"). Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+FORKSERVER_MODULE = "decent_train.forkserver"  # what the process the workers are forked from imports first
+LAUNCHER_PID_ENV = "DECENT_TRAIN_LAUNCHER_PID"  # the forkserver's parent, which it dies with
+# Hydra's flags that take a value (the next argument) and start a run all the same; any other flag prints something
+# (--help, --cfg, --info, --shell-completion, ...) and trains nothing.
+RUN_FLAGS = {"-m", "--multirun", "-cd", "--config-dir", "-cp", "--config-path", "-cn", "--config-name"}
+NO_WORKERS_HERE = ("dry_run=true", "fault_tolerance.role=coordinator", "hydra/launcher=")
+
+
+def launches_workers(args: list[str]) -> bool:
+    """Whether a ``decent-train`` command with these arguments will likely start workers in this process: not one that
+    prints help or a config, a dry run, a live run's coordinator (the nodes' agents start the workers), or a sweep
+    whose jobs another Hydra launcher runs elsewhere (SLURM). A wrong guess costs seconds of a core: the forkserver dies
+    with the command; a refused command's forkserver is killed as it exits."""
+    flags = [a for a in args if a.startswith("-")]
+    words = [a.lower().replace(" ", "") for a in args]
+    return all(flag in RUN_FLAGS for flag in flags) and not any(w.startswith(NO_WORKERS_HERE) for w in words)
+
+
+def spawn_forkserver() -> None:
+    """Start, unless it runs, the forkserver, unbuffered as ``python -u`` is; it returns at once, while the forkserver
+    imports (``launch.start_forkserver`` waits for it). From the main thread: the forkserver dies with the thread that
+    started it (``PR_SET_PDEATHSIG``: decent_train/forkserver.py)."""
+    import multiprocessing.forkserver  # here: cli.py imports this module before its handlers of Ctrl-C are set
+
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    multiprocessing.set_forkserver_preload([FORKSERVER_MODULE])
+    with environment(PYTHONUNBUFFERED="1"):
+        multiprocessing.forkserver.ensure_running()
+
+
+@contextlib.contextmanager
+def environment(**values: str) -> Iterator[None]:
+    """Set environment variables for the workers, unless the user set them, and restore them afterwards."""
+    saved = {k: os.environ.get(k) for k in values}
+    for key, value in values.items():
+        os.environ.setdefault(key, value)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
