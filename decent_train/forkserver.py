@@ -1,6 +1,6 @@
 """The process decent-train's launcher forks its workers from (launcher/launch.py): multiprocessing's forkserver imports
 this module before its first fork, so every worker starts with torch and the training code imported, instead of
-importing them itself: about 4 s of CPU per worker, most of a short launch on a few cores (scripts/BENCHMARKS.md,
+importing them itself: about 6 s of CPU per worker, most of a short launch on a few cores (scripts/BENCHMARKS.md,
 "Workers forked from a forkserver").
 
 Importing it makes of the forkserver what torch's agent made of each worker it started as an interpreter: a session
