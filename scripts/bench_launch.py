@@ -2,7 +2,7 @@
 change to the launch costs or saves, end to end (start-up, training, evaluation, exit).
 
     git worktree add /tmp/before <commit>
-    python scripts/bench_launch.py /tmp/before . [--rounds 3] [-- steps=40 eval_every=20]
+    python scripts/bench_launch.py [--rounds 3] /tmp/before . [-- steps=40 eval_every=20]  (options first)
 
 Each launch runs the command (default: the default job shortened to 40 steps) with that checkout first on
 ``PYTHONPATH``, in a run directory of its own, and must exit 0. Prints each checkout's median wall time and the ratio
