@@ -17,6 +17,10 @@ import signal
 import sys
 
 os.setsid()  # first: until the forkserver ignores SIGINT, after this import, a Ctrl-C on the terminal would end it
+# It started with SIGINT blocked (launcher/forking.py): drop a Ctrl-C meant for the command, then as an interpreter starts
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from decent_train.launcher.forking import LAUNCHER_PID_ENV  # noqa: E402  (imports nothing heavy)
 

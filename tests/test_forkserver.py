@@ -28,7 +28,7 @@ from decent_train.launcher.launch import start_forkserver
 from decent_train.runtime import die_with_agent
 from decent_train.training.stop import AGENT_PID_ENV
 
-from .jobs import start
+from .jobs import COMMAND, start
 from .test_elastic import alive
 
 
@@ -148,6 +148,24 @@ def test_a_command_that_ends_while_its_forkserver_imports_takes_it_along(end: st
     assert not alive(server)
     _, stderr = command.communicate()
     assert command.returncode == 2 and "topology=nonsense" in stderr if end == "refused" else command.returncode == -9
+
+
+@pytest.mark.parametrize("after_s", [0.02, 0.05, 0.1])
+def test_a_ctrl_c_as_the_forkserver_starts_ends_the_command_in_one_line(after_s: float, tmp_path: Path) -> None:
+    """The terminal's Ctrl-C goes to the command's process group, which the forkserver (and multiprocessing's resource
+    tracker) are in until the forkserver's first line leaves it: one line and exit status 130 all the same, no
+    KeyboardInterrupt traceback from a child's start (seen 0.02 to 0.1 s after the forkserver appeared)."""
+    command = subprocess.Popen([str(COMMAND), "steps=5", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    server = None
+    while command.poll() is None and server is None:
+        server = _forkserver_of(command.pid)
+    assert server is not None, "the command started no forkserver"
+    time.sleep(after_s)
+    os.killpg(command.pid, signal.SIGINT)
+    _, stderr = command.communicate(timeout=120)
+    assert command.returncode == 130
+    assert stderr == "decent-train: stopped by SIGINT; no checkpoint was written at this stop\n"
 
 
 @pytest.mark.parametrize(("args", "launches"), [

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from collections.abc import Iterator
 
 FORKSERVER_MODULE = "decent_train.forkserver"  # what the process the workers are forked from imports first
@@ -33,11 +34,20 @@ def spawn_forkserver() -> None:
     imports (``launch.start_forkserver`` waits for it). From the main thread: the forkserver dies with the thread that
     started it (``PR_SET_PDEATHSIG``: decent_train/forkserver.py)."""
     import multiprocessing.forkserver  # here: cli.py imports this module before its handlers of Ctrl-C are set
+    import multiprocessing.resource_tracker
 
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     multiprocessing.set_forkserver_preload([FORKSERVER_MODULE])
-    with environment(PYTHONUNBUFFERED="1"):
-        multiprocessing.forkserver.ensure_running()
+    # The terminal's Ctrl-C reaches this command's process group, which the forkserver starts in: it would end its
+    # start-up with a KeyboardInterrupt traceback. It starts with SIGINT blocked, as multiprocessing starts its resource
+    # tracker (first: it unblocks SIGINT here after), and unblocks it in a session of its own; here it waits until then.
+    multiprocessing.resource_tracker.ensure_running()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        with environment(PYTHONUNBUFFERED="1"):
+            multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 @contextlib.contextmanager
