@@ -42,12 +42,12 @@ def spawn_forkserver() -> None:
     # start-up with a KeyboardInterrupt traceback. It starts with SIGINT blocked, as multiprocessing starts its resource
     # tracker (first: it unblocks SIGINT here after), and unblocks it in a session of its own; here it waits until then.
     multiprocessing.resource_tracker.ensure_running()
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         with environment(PYTHONUNBUFFERED="1"):
             multiprocessing.forkserver.ensure_running()
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 @contextlib.contextmanager
