@@ -127,6 +127,15 @@ def _forkserver_of(pid: int) -> int | None:
     return None
 
 
+def _started_forkserver(command: subprocess.Popen[str]) -> int:
+    """The forkserver of ``command``, as soon as it appears."""
+    server = None
+    while command.poll() is None and server is None:
+        server = _forkserver_of(command.pid)
+    assert server is not None, "the command started no forkserver"
+    return server
+
+
 @pytest.mark.parametrize("end", ["refused", "killed"])
 def test_a_command_that_ends_while_its_forkserver_imports_takes_it_along(end: str, tmp_path: Path) -> None:
     """The forkserver starts with the command, so it is still importing torch when a mistake in the input ends the
@@ -134,11 +143,7 @@ def test_a_command_that_ends_while_its_forkserver_imports_takes_it_along(end: st
     seconds."""
     command = start("topology=nonsense" if end == "refused" else "steps=5", f"hydra.run.dir={tmp_path / 'run'}",
                     cwd=tmp_path)
-    server = None
-    while command.poll() is None and server is None:
-        server = _forkserver_of(command.pid)
-        time.sleep(0.01)
-    assert server is not None, "the command started no forkserver"
+    server = _started_forkserver(command)
     if end == "killed":
         command.kill()
     command.wait(timeout=120)  # not communicate(): the forkserver holds the command's output pipes while it runs
@@ -157,10 +162,7 @@ def test_a_ctrl_c_as_the_forkserver_starts_ends_the_command_in_one_line(after_s:
     KeyboardInterrupt traceback from a child's start (seen 0.02 to 0.1 s after the forkserver appeared)."""
     command = subprocess.Popen([str(COMMAND), "steps=5", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    server = None
-    while command.poll() is None and server is None:
-        server = _forkserver_of(command.pid)
-    assert server is not None, "the command started no forkserver"
+    _started_forkserver(command)
     time.sleep(after_s)
     os.killpg(command.pid, signal.SIGINT)
     _, stderr = command.communicate(timeout=120)
