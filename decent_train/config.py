@@ -372,8 +372,6 @@ class TrainConfig:
              f"steps; use algorithm={_having('live')}"),
             (local_steps and getattr(self.algorithm, "fragment_sync_delay", 0) > 0, f"algorithm={name} with "
              "algorithm.fragment_sync_delay > 0: an exchange in flight across a change is next; leave it 0"),
-            (local_steps and getattr(self.algorithm, "offload", None) is True, f"algorithm={name} with "
-             "algorithm.offload=true: CPU workers keep their outer state in place; leave algorithm.offload=null"),
             (bool(self.phases), "phases: an all-reduce phase needs every worker; leave phases empty"),
             (self.global_avg_every > 0, f"global_avg_every={self.global_avg_every}: a global average needs every "
              "worker; leave it 0"),

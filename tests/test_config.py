@@ -169,8 +169,6 @@ def test_every_option_composes_and_checks(group: str, option: str, data_dirs: di
         ({"fault_tolerance": {"name": "live"},
           "algorithm": {"name": "diloco", "fragments": 2, "fragment_sync_delay": 1}},
          "fault_tolerance=live with algorithm=diloco with algorithm.fragment_sync_delay > 0"),
-        ({"fault_tolerance": {"name": "live"}, "algorithm": {"name": "diloco", "offload": True}},
-         "fault_tolerance=live with algorithm=diloco with algorithm.offload=true"),
         ({"fault_tolerance": {"name": "live"}, "global_avg_every": 5}, "fault_tolerance=live with global_avg_every=5"),
         ({"fault_tolerance": {"name": "live"}, "phases": [{"algorithm": "allreduce", "steps": 5}, {}]},
          "fault_tolerance=live with phases"),
@@ -234,15 +232,18 @@ def test_live_cuda_is_checked_where_workers_run_not_on_the_coordinators_host() -
 
 
 @pytest.mark.skipif(not reconfigure.supported(), reason="live membership needs torch >= 2.14")
+@pytest.mark.parametrize("offload", [None, True])
 @pytest.mark.parametrize("compression", ["int8", "bf16"])
 @pytest.mark.parametrize("algorithm", ["diloco", "localsgd"])
-def test_live_local_steps_take_compressed_outer_steps(algorithm: str, compression: str) -> None:
+def test_live_local_steps_take_compressed_outer_steps(algorithm: str, compression: str, offload: bool | None) -> None:
     """Live membership runs DiLoCo's and LocalSGD's compressed outer steps (refused before a missed compressed
-    message and the public copies at a change had a rule: tests/test_live_local_steps_compressed.py replays it)."""
-    cfg = check_config({"fault_tolerance": {"name": "live"}, "algorithm": algorithm,
+    message and the public copies at a change had a rule: tests/test_live_local_steps_compressed.py replays it),
+    offloaded too (CUDA's default; refused before the change's mean and restarted copies ran on host-resident state:
+    the same file and tests/test_live_local_steps.py replay it)."""
+    cfg = check_config({"fault_tolerance": {"name": "live"}, "algorithm": {"name": algorithm, "offload": offload},
                         "compression": {"name": compression}})
     preflight(cfg)
-    assert cfg.compression.name == compression and cfg.fault_tolerance.live
+    assert cfg.compression.name == compression and cfg.fault_tolerance.live and cfg.algorithm.offload is offload
 
 
 PREFLIGHT_ONLY = [  # what needs the disk, the user's code or a topology built: the launcher's preflight, not the schema

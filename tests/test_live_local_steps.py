@@ -62,10 +62,10 @@ STEPS = 12  # two outer steps over the survivors (8, 12)
 
 
 def make_front(model: nn.Module, inner: torch.optim.Optimizer, world: int, from_rank0: bool = True,
-               fragments: int = 1) -> DiLoCo:
+               fragments: int = 1, offload: bool = False) -> DiLoCo:
     outer = torch.optim.SGD(model.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
     return DiLoCo(model, inner, outer, SYNC_EVERY, "complete", local_world_size=world, timeout=ENGINE_TIMEOUT_S,
-                  fault_tolerant=True, from_rank0=from_rank0, fragments=fragments)
+                  fault_tolerant=True, from_rank0=from_rank0, fragments=fragments, offload=offload)
 
 
 def inner_step(model: nn.Module, inner: torch.optim.Optimizer, member: int, step: int) -> None:
@@ -93,10 +93,14 @@ def leave_together(front: DiLoCo, store: dist.Store, members: list[int], member:
 
 
 # -- test 1: the outer steps after a member is lost follow the rule ---------------------------------------------------
-# case: (E, front). At 10 the outer step at 8 ran without the victim; "streaming": 2 fragments, one synced every 2
-# inner steps (fragment 0 at 2, 6, 10; fragment 1 at 4, 8, 12), fragment 0's at 6 without the victim.
-CASES = {"between": (CHANGE_STEP, "diloco"), "window": (10, "diloco"), "localsgd": (10, "localsgd"),
-         "streaming": (CHANGE_STEP, "streaming")}
+# case: (E, front, offload). At 10 the outer step at 8 ran without the victim; "streaming": 2 fragments, one synced
+# every 2 inner steps (fragment 0 at 2, 6, 10; fragment 1 at 4, 8, 12), fragment 0's at 6 without the victim.
+# "-offload": the outer state in host memory (CUDA's default), the same rule: the change's mean runs on device copies
+# of it, a part at a time (here host to host: the CPU runs the same code path).
+CASES = {"between": (CHANGE_STEP, "diloco", False), "window": (10, "diloco", False),
+         "localsgd": (10, "localsgd", False), "streaming": (CHANGE_STEP, "streaming", False),
+         "window-offload": (10, "diloco", True), "localsgd-offload": (10, "localsgd", True),
+         "streaming-offload": (CHANGE_STEP, "streaming", True)}
 FRAGMENTS = [["0.weight", "0.bias"], ["2.weight", "2.bias", "4.weight", "4.bias"]]  # split_parameters' cut, by hand
 
 
@@ -106,11 +110,13 @@ def _train_through_loss(member: int, store: dist.Store, ctx: dict[str, Any]) -> 
     inner = torch.optim.SGD(model.parameters(), lr=INNER_LR)
     if ctx["kind"] == "localsgd":
         front: DiLoCo = LocalSGD(model, inner, SYNC_EVERY, "complete", local_world_size=len(FOUNDERS),
-                                 timeout=ENGINE_TIMEOUT_S, fault_tolerant=True)
+                                 timeout=ENGINE_TIMEOUT_S, fault_tolerant=True, offload=ctx["offload"])
         front.__enter__()
     else:
-        front = make_front(model, inner, len(FOUNDERS), fragments=len(FRAGMENTS) if ctx["kind"] == "streaming" else 1)
+        front = make_front(model, inner, len(FOUNDERS), fragments=len(FRAGMENTS) if ctx["kind"] == "streaming" else 1,
+                           offload=ctx["offload"])
         front.__enter__()
+    assert front.offloaded == ctx["offload"]
     for s in range(STEPS):
         if member == VICTIM and s == DIE_STEP:
             die()
@@ -118,10 +124,12 @@ def _train_through_loss(member: int, store: dist.Store, ctx: dict[str, Any]) -> 
             front.prepare_membership_change()
             enter_epoch(store, ctx, 1, SURVIVORS, member)
             front.membership_changed("complete", len(SURVIVORS))
+            on_device = front.memory_bytes()["device"]
         inner_step(model, inner, member, s)
     localsgd = ctx["kind"] == "localsgd"
     result = front_state(front) if not localsgd else {"x": params_of(model), "outer_steps": front.outer_steps}
     result["missed"] = list(front.exchange.missed)
+    result["device_bytes_after_change"] = on_device
     leave_together(front, store, SURVIVORS, member)
     return result
 
@@ -146,7 +154,7 @@ def _replay(variant: str, case: str) -> dict[int, dict[str, Params]]:
 
     Before E a dead member's message is missed: each survivor mixes its own payload in its place (x and anchor).
     """
-    change, kind = CASES[case]
+    change, kind, _ = CASES[case]
     localsgd, period = kind == "localsgd", _period(kind)
     start = params_of(make_model(100 + FOUNDERS[0]))
     x = {m: dict(start) for m in FOUNDERS}
@@ -203,8 +211,9 @@ def _worst(results: dict[int, dict[str, Any]], replayed: dict[int, dict[str, Par
 def through_loss(request: pytest.FixtureRequest) -> tuple[str, dict[int, dict[str, Any]]]:
     """The survivors' results of one run per case (``CASES``), shared by the tests of that case."""
     with tempfile.TemporaryDirectory() as workdir:
-        change, kind = CASES[request.param]
-        return request.param, run_members(_train_through_loss, FOUNDERS, (VICTIM,), workdir, change=change, kind=kind)
+        change, kind, offload = CASES[request.param]
+        return request.param, run_members(_train_through_loss, FOUNDERS, (VICTIM,), workdir, change=change, kind=kind,
+                                          offload=offload)
 
 
 def test_outer_steps_after_a_loss_average_over_the_survivors(
@@ -217,7 +226,7 @@ def test_outer_steps_after_a_loss_average_over_the_survivors(
     the parameters' mean over the survivors. Streaming (2 fragments, ``fragment_sync_delay=0``): nothing is in flight
     at E, each fragment's outer steps follow the rule."""
     case, results = through_loss
-    change, kind = CASES[case]
+    change, kind, _ = CASES[case]
     localsgd, period = kind == "localsgd", _period(kind)
     in_window = any(t % period == 0 for t in range(DIE_STEP + 1, change + 1))  # an outer step without the victim
     for r in results.values():
@@ -225,6 +234,8 @@ def test_outer_steps_after_a_loss_average_over_the_survivors(
         assert r["missed"] == ([(1, FOUNDERS.index(VICTIM))] if in_window else []), r["missed"]
     worst = _worst(results, _replay("right", case))
     assert worst <= TOL, f"the survivors differ from the rule's replay by {worst:.3g}"
+    if CASES[case][2]:  # offloaded: the change leaves nothing of the front on the device (the front's own accounting)
+        assert all(r["device_bytes_after_change"] == 0 for r in results.values()), results
     for key in ("anchor", "momentum") if not localsgd else ():  # complete: equal everywhere after an outer step
         assert all((results[m][key][n] - results[SURVIVORS[0]][key][n]).abs().max() <= TOL
                    for m in SURVIVORS for n in results[m][key]), key
@@ -232,7 +243,7 @@ def test_outer_steps_after_a_loss_average_over_the_survivors(
 
 @pytest.mark.parametrize(("through_loss", "variant"), [("between", "old_world"), ("between", "lost_included"),
                                                       ("window", "no_average"), ("localsgd", "old_world"),
-                                                      ("streaming", "no_average")],
+                                                      ("streaming", "no_average"), ("window-offload", "no_average")],
                          indirect=["through_loss"])
 def test_a_wrong_rule_deviates(through_loss: tuple[str, dict[int, dict[str, Any]]], variant: str) -> None:
     """The oracle can tell: a replay that averages over the old world size, keeps the lost member's
@@ -264,7 +275,7 @@ def _heal(member: int, store: dist.Store, ctx: dict[str, Any]) -> dict[str, Any]
         enter_epoch(store, ctx, 2, HEALED, member)
         model = make_model(100 + member)
         inner = momentum_sgd(model)
-        front = make_front(model, inner, len(HEALED), from_rank0=False).__enter__()
+        front = make_front(model, inner, len(HEALED), from_rank0=False, offload=ctx["offload"]).__enter__()
         state, _ = receive_state(HEALED.index(DONOR))
         model.load_state_dict(state["model"])
         inner.load_state_dict(state["algorithm"]["inner"])
@@ -275,7 +286,7 @@ def _heal(member: int, store: dist.Store, ctx: dict[str, Any]) -> dict[str, Any]
         enter_epoch(store, ctx, 0, FOUNDERS, member)
         model = make_model(100 + member)
         inner = momentum_sgd(model)
-        front = make_front(model, inner, len(FOUNDERS)).__enter__()
+        front = make_front(model, inner, len(FOUNDERS), offload=ctx["offload"]).__enter__()
         for s in range(JOIN_STEP):
             if member == VICTIM and s == DIE_STEP:
                 die()
@@ -299,12 +310,14 @@ def _heal(member: int, store: dist.Store, ctx: dict[str, Any]) -> dict[str, Any]
     return result
 
 
-def test_a_joiner_heals_model_inner_state_anchors_and_outer_state() -> None:
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_joiner_heals_model_inner_state_anchors_and_outer_state(offload: bool) -> None:
     """After healing, the joiner's parameters, inner optimizer state, anchors, outer optimizer state and counters
     equal its donor's bit for bit; the next outer step over the four leaves every member's anchors and momentum
-    equal (complete), and nobody missed a message."""
+    equal (complete), and nobody missed a message. Offloaded too: the donor sends, and the joiner loads, host-resident
+    anchors and outer state."""
     with tempfile.TemporaryDirectory() as workdir:
-        results = run_members(_heal, FOUNDERS + [JOINER], (VICTIM,), workdir)
+        results = run_members(_heal, FOUNDERS + [JOINER], (VICTIM,), workdir, offload=offload)
     joiner, donor = results[JOINER]["healed"], results[DONOR]["healed"]
     assert donor["outer_steps"] == JOIN_STEP // SYNC_EVERY and donor["inner_steps"] == JOIN_STEP
     assert donor["inner"]["state"] and donor["momentum"], "the donor must have inner and outer state to heal"

@@ -68,19 +68,23 @@ SCENARIOS = {
     "window": ([(0, FOUNDERS), (10, SURVIVORS)], 12),
     "join": ([(0, FOUNDERS), (6, SURVIVORS), (10, HEALED)], 16),
 }
-CASES = {f"{kind}-{compression}-{scenario}": (kind, compression, scenario)
-         for kind, compression, scenario in [
-             ("diloco", "int8", "between"), ("diloco", "int8", "window"), ("diloco", "int8", "join"),
-             ("diloco", "bf16", "between"), ("diloco", "bf16", "window"), ("diloco", "bf16", "join"),
-             ("localsgd", "int8", "window"), ("streaming", "int8", "between"), ("streaming", "int8", "join"),
-             ("streaming", "bf16", "window")]}
+# "-offload": the public copies, anchors and outer state in host memory (CUDA's default), restarted there at a change
+CASES = {f"{kind}-{compression}-{scenario}" + ("-offload" if offload else ""): (kind, compression, scenario, offload)
+         for kind, compression, scenario, offload in [
+             ("diloco", "int8", "between", False), ("diloco", "int8", "window", False),
+             ("diloco", "int8", "join", False), ("diloco", "bf16", "between", False),
+             ("diloco", "bf16", "window", False), ("diloco", "bf16", "join", False),
+             ("localsgd", "int8", "window", False), ("streaming", "int8", "between", False),
+             ("streaming", "int8", "join", False), ("streaming", "bf16", "window", False),
+             ("diloco", "int8", "window", True), ("diloco", "bf16", "join", True), ("localsgd", "int8", "window", True),
+             ("streaming", "int8", "join", True)]}
 
 
-def _front(model: nn.Module, inner: torch.optim.Optimizer, world: int, kind: str, compression: str,
+def _front(model: nn.Module, inner: torch.optim.Optimizer, world: int, kind: str, compression: str, offload: bool,
            from_rank0: bool = True) -> DiLoCo:
     common: dict[str, Any] = dict(local_world_size=world, timeout=ENGINE_TIMEOUT_S, fault_tolerant=True,
                                   from_rank0=from_rank0, compression=compression, consensus_step=GAMMA,
-                                  int8_block=BLOCK)
+                                  int8_block=BLOCK, offload=offload)
     if kind == "localsgd":
         return LocalSGD(model, inner, SYNC_EVERY, "complete", **common)
     outer = torch.optim.SGD(model.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
@@ -103,21 +107,23 @@ def _copies(front: DiLoCo) -> dict[str, tuple[Tensor, Tensor]]:
 
 
 def _train(member: int, store: dist.Store, ctx: dict[str, Any]) -> dict[str, Any]:
-    kind, compression, scenario = CASES[ctx["case"]]
+    kind, compression, scenario, offload = CASES[ctx["case"]]
     epochs, steps = SCENARIOS[scenario]
     starts = {step: (epoch, members) for epoch, (step, members) in enumerate(epochs)}
     first = next(e for e, (_, members) in enumerate(epochs) if member in members)
     enter_epoch(store, ctx, first, epochs[first][1], member)
     model = make_model(100 + member)
     inner = torch.optim.SGD(model.parameters(), lr=INNER_LR)  # no state: the joiner heals from the front alone
-    front = _front(model, inner, len(epochs[first][1]), kind, compression, from_rank0=first == 0).__enter__()
-    result: dict[str, Any] = {"copies": {}}
+    front = _front(model, inner, len(epochs[first][1]), kind, compression, offload, from_rank0=first == 0).__enter__()
+    assert front.offloaded == offload
+    result: dict[str, Any] = {"copies": {}, "device_bytes": {}}
     if first > 0:  # the joiner: its donor's model and the front's averageable state (no public copies)
         state, _ = receive_state(epochs[first][1].index(DONOR))
         model.load_state_dict(state["model"])
         front.load_state_dict(state["algorithm"]["front"])
         front.membership_changed("complete", len(epochs[first][1]))
         result["copies"][first] = _copies(front)
+        result["device_bytes"][first] = front.memory_bytes()["device"]
     for s in range(epochs[first][0], steps):
         if member == VICTIM and s == DIE_STEP:
             die()
@@ -130,6 +136,7 @@ def _train(member: int, store: dist.Store, ctx: dict[str, Any]) -> dict[str, Any
                 send_state({"model": model.state_dict(), "algorithm": algorithm}, members.index(JOINER))
             front.membership_changed("complete", len(members))
             result["copies"][epoch] = _copies(front)
+            result["device_bytes"][epoch] = front.memory_bytes()["device"]
         loss_of(model, member, s).backward()
         inner.step()  # the front's hook takes the outer step after every SYNC_EVERY-th
         inner.zero_grad(set_to_none=True)
@@ -164,7 +171,7 @@ def _replay(case: str, variant: str = "right") -> dict[int, dict[str, dict[str, 
     uncompressed outer path's rule), ``joiner_own_copies`` (the joiner's copies left at its healed payload).
     Streaming: each fragment has copies of its own (payload: its parameters, then their anchors) and takes the outer
     step of every second period of SYNC_EVERY / 2 inner steps, in turn."""
-    kind, compression, scenario = CASES[case]
+    kind, compression, scenario, _ = CASES[case]
     epochs, steps = SCENARIOS[scenario]
     compressor = make_compressor(compression, BLOCK)
     assert compressor is not None
@@ -246,7 +253,7 @@ def _replay(case: str, variant: str = "right") -> dict[int, dict[str, dict[str, 
 def _missed(case: str) -> list[tuple[int, int]]:
     """The (fragment's round, rank) of each outer message a last member never got: the victim's, from its death to
     the change that drops it."""
-    kind, _, scenario = CASES[case]
+    kind, _, scenario, _ = CASES[case]
     epochs, steps = SCENARIOS[scenario]
     fragments, missed, rounds = len(_fragments(kind)), [], [0] * len(_fragments(kind))
     period = SYNC_EVERY // fragments
@@ -281,7 +288,7 @@ def test_compressed_outer_steps_through_a_change_follow_the_replay(run: tuple[st
     victim; at 6 and 8 in the window case). Right after each change every member holds the same public copies (the
     joiner too). A front that restarts only the first fragment's copies fails the streaming cases alone."""
     case, results = run
-    kind, _, scenario = CASES[case]
+    kind, _, scenario, offload = CASES[case]
     epochs, steps = SCENARIOS[scenario]
     for m, r in results.items():
         assert r["missed"] == (_missed(case) if m in FOUNDERS else []), (m, r["missed"])  # the joiner came after
@@ -298,6 +305,8 @@ def test_compressed_outer_steps_through_a_change_follow_the_replay(run: tuple[st
                 assert (own - held[0][key][0]).abs().max() <= TOL and (others - held[0][key][1]).abs().max() <= TOL
         if kind == "localsgd":
             assert all(t.abs().max() == 0 for copies in held for pair in copies.values() for t in pair)
+        if offload:  # the restarted copies at home, nothing of the front left on the device (its own accounting)
+            assert all(results[m]["device_bytes"][epoch] == 0 for m in members if m in results), epoch
 
 
 @pytest.mark.parametrize(("run", "variant"), [
@@ -306,7 +315,8 @@ def test_compressed_outer_steps_through_a_change_follow_the_replay(run: tuple[st
     ("diloco-bf16-window", "missed_as_zero"), ("localsgd-int8-window", "missed_as_own"),
     ("diloco-int8-join", "joiner_own_copies"), ("diloco-bf16-join", "joiner_own_copies"),
     ("streaming-int8-between", "missed_as_own"), ("streaming-int8-join", "joiner_own_copies"),
-    ("streaming-bf16-window", "zero_restart"),
+    ("streaming-bf16-window", "zero_restart"), ("diloco-int8-window-offload", "missed_as_own"),
+    ("streaming-int8-join-offload", "joiner_own_copies"),
 ], indirect=["run"])
 def test_a_wrong_rule_deviates(run: tuple[str, dict[int, dict[str, Any]]], variant: str) -> None:
     """The replay can tell: copies restarted at zero, a missed message mixed as a zero public value or as the

@@ -325,9 +325,32 @@ class DiLoCo:
             shared += [v for g in self.groups for p in g.owners for v in self.outer.state.get(p, {}).values()
                        if isinstance(v, Tensor) and v.is_floating_point() and v.dim() > 0]
         if shared:
-            self.members.average_tensors_(shared, "the anchors' and outer state's average at a membership change")
+            self._average_over_members(shared)
         for group in self.groups:  # after the mean: the copies restart from the anchors, equal on every member
             group.restart_copies(self._my_groups())
+
+    def _average_over_members(self, tensors: list[Tensor]) -> None:
+        """``tensors`` <- their mean over the members. Offloaded (host tensors), the mean runs on the parameters'
+        device, where the data group's collectives run (NCCL takes no host tensors), a part of about
+        1 / ``OUTER_STEP_PARTS`` of the largest fragment's bytes at a time, as the outer step's state comes in."""
+        what = "the anchors' and outer state's average at a membership change"
+        store = self.store
+        if store is None:
+            self.members.average_tensors_(tensors, what)
+            return
+        budget = -(-max(sum(p.nbytes for g in f.groups for p in g.params) for f in self.fragments) // OUTER_STEP_PARTS)
+        parts: list[list[Tensor]] = [[]]
+        size = 0
+        for tensor in tensors:
+            if parts[-1] and size + tensor.nbytes > budget:
+                parts.append([])
+                size = 0
+            parts[-1].append(tensor)
+            size += tensor.nbytes
+        for part in parts:
+            working = store.to_device(part)
+            self.members.average_tensors_(working, what)
+            store.copy_out(part, working)
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:

@@ -119,6 +119,11 @@ class OuterGroup:
 
     def compress(self, compressor: Compressor, groups: list[Edge]) -> None:
         """Send compressed differences to public copies, which start at this payload (equal on every worker)."""
+        self._create_copies(compressor, groups)
+        self.reset_copies()
+
+    def _create_copies(self, compressor: Compressor, groups: list[Edge]) -> None:
+        """Public copies for ``groups`` (their values unset: :meth:`reset_copies` sets them)."""
         self.buffers.comm = self.flat.new_zeros(0)
         if self.store is None:
             self.buffers.compressed = CompressedGossip.create(compressor, self.flat, groups, None)
@@ -131,16 +136,26 @@ class OuterGroup:
             self.buffers.compressed = compressed
             self._message_numel, self._slots = compressed.outgoing.numel(), len(compressed.incoming)
             self._drop_device_buffers()
-        self.reset_copies()
 
-    def reset_copies(self) -> None:
+    def reset_copies(self, at_anchors: bool = False) -> None:
         """The public copies to the payload now; every worker must hold the same (at the start, or after an averaged
-        resume)."""
-        if self.buffers.compressed is not None:
-            self.acquire(list(self.home_copies), others=True)
+        resume). ``at_anchors``: to ``(anchor, anchor)`` instead (LocalSGD's ``x``, which keeps no anchors: zero)."""
+        compressed = self.buffers.compressed
+        if compressed is None:
+            return
+        self.acquire(list(self.home_copies), others=True)  # offload: the copies and ``flat`` on the device
+        if not at_anchors:
             self.fill()
-            self.buffers.compressed.reset(self.flat)
-            self.release()
+            compressed.reset(self.flat)
+        elif self.payload == "x":
+            compressed.reset(None)
+        else:
+            first, second = self.views(self.flat)  # flat is scratch until the next exchange's fill
+            self.anchors_into(first)
+            if second:
+                self.anchors_into(second)
+            compressed.reset(self.flat)
+        self.release()  # offload: the copies back to host memory
 
     def restart_copies(self, groups: list[Edge]) -> None:
         """Live membership, at a change (after the anchors' mean): copies for ``groups``, this worker's groups of the
@@ -149,21 +164,13 @@ class OuterGroup:
         weighted sum, from which a lost member's copy cannot be taken out, and a peer's copy may differ between its
         holders where its last message reached some of them. The anchors are equal on every member after their mean,
         so the copies are equal wherever they are held, the joiner's too (it brought none); and the first message
-        after the change carries ``x − anchor``, as small as a steady one, not the whole payload."""
+        after the change carries ``x − anchor``, as small as a steady one, not the whole payload. Offload: the new
+        copies live in host memory, as the old ones did."""
         compressed = self.buffers.compressed
         if compressed is None:
             return
-        if self.store is not None:  # (refused under live: CPU workers keep their outer state in place)
-            raise RuntimeError("restarting offloaded public copies at a membership change is not supported")
-        self.buffers.compressed = restarted = CompressedGossip.create(compressed.compressor, self.flat, groups, None)
-        if self.payload == "x":
-            restarted.reset(None)
-            return
-        first, second = self.views(self.flat)  # flat is scratch until the next exchange's fill
-        self.anchors_into(first)
-        if second:
-            self.anchors_into(second)
-        restarted.reset(self.flat)
+        self._create_copies(compressed.compressor, groups)
+        self.reset_copies(at_anchors=True)
 
     def acquire(self, keys: list[Any], others: bool = False) -> None:
         """Offload: the device buffers of an exchange, and device copies of this worker's public copies (``own``)
