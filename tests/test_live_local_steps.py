@@ -339,11 +339,13 @@ def test_diloco_trains_on_through_a_kill_and_a_replacement(
 ) -> None:
     """Acceptance 4 on one node: ``algorithm=diloco algorithm.sync_every=10``, member 2 SIGKILLed after step 200,
     its replacement healed from a survivor: exit 0, no step repeated, accuracy >= 0.95, members 4 -> 3 -> 4.
-    "two groups": the workers' data over a data group beside the default group, as on GPUs (gloo for nccl2)."""
+    "two groups": as on GPUs, the workers' data over a data group beside the default group (gloo for nccl2), and
+    the outer state offloaded (CUDA's default; host to host here)."""
+    options = ["algorithm=diloco", "algorithm.sync_every=10", "launch.max_restarts=1"]
     if layout == "two groups":
         monkeypatch.setenv(reconfigure.DATA_BACKEND_ENV, "gloo")  # the workers inherit it
-    run = launch(tmp_path, "algorithm=diloco", "algorithm.sync_every=10", "launch.max_restarts=1",
-                 signals=[Signal(at_step(KILL_AT), signal.SIGKILL, [2])], steps=JOIN_STEPS)
+        options.append("algorithm.offload=true")
+    run = launch(tmp_path, *options, signals=[Signal(at_step(KILL_AT), signal.SIGKILL, [2])], steps=JOIN_STEPS)
     check_trained_to_the_end(run)
     assert run.members() == [4, 3, 4], f"{run}"
     loss, join = run.result["membership_changes"]
@@ -351,6 +353,8 @@ def test_diloco_trains_on_through_a_kill_and_a_replacement(
     assert [j["member"] for j in join["joined"]] == [4] and join["members"] == 4 and join["heal_mb"] > 0, f"{run}"
     outer = [r["outer/step"] for r in run.records if "outer/step" in r]
     assert outer[-1] == JOIN_STEPS // 10, f"outer steps {outer}\n{run}"
+    offloaded = {r["memory/outer_host_mib"] > 0 for r in run.records if "memory/outer_host_mib" in r}
+    assert offloaded == {layout == "two groups"}, f"outer state in host memory: {offloaded}\n{run}"
     # every member's every change (its log's lines from LiveMembership._reconfigure) in the layout asked for
     changes = {m: re.findall(r"epoch \d+: (.*) reconfigured over \[(.*)\]", (run.run_dir / "logs" /
                                                                             f"member{m}.log").read_text())
