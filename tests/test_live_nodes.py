@@ -302,6 +302,52 @@ def test_an_agent_that_loses_the_coordinator_kills_its_workers_and_exits(tmp_pat
             agent.wait()
 
 
+SLOTS_AGENT = """
+import sys
+from pathlib import Path
+from decent_train.config import check_config
+from decent_train.launcher.launch import StopForwarding
+from decent_train.launcher.node_agent import NodeAgent
+cfg = check_config({"fault_tolerance": {"name": "live"}, "launch": {"nproc_per_node": 4}})
+# a stand-in worker: writes its LOCAL_RANK into a file named by its member id, then waits
+worker = [sys.executable, "-c", "import os, sys, time; from pathlib import Path; "
+          "Path(sys.argv[1], os.environ['DECENT_TRAIN_MEMBER_ID']).write_text(os.environ.get('LOCAL_RANK', 'unset')); "
+          "time.sleep(600)", sys.argv[2]]
+NodeAgent(cfg, Path("unused"), sys.argv[1], StopForwarding(), command=worker).run()
+"""
+
+
+def test_each_worker_of_a_node_has_its_own_local_rank_and_a_replacement_takes_the_freed_one(tmp_path: Path) -> None:
+    """Under live the agent, not torchrun, starts the workers, and a worker on CUDA trains on GPU LOCAL_RANK
+    (training/live.py ``LiveMembership.start``): a real agent with 4 stand-in workers gives them LOCAL_RANK 0..3;
+    members 1 and 2 SIGKILLed and replaced (the coordinator's start orders, written by hand) take slots 2 and 1,
+    those their lost workers freed, in the order of the orders, not the lowest free first."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    agent = subprocess.Popen([sys.executable, "-c", SLOTS_AGENT, f"127.0.0.1:{store.port}", str(tmp_path)],
+                             start_new_session=True)
+
+    def slots(count: int) -> dict[int, str]:
+        deadline = time.monotonic() + 60
+        while len(written := {int(f.name): f.read_text() for f in tmp_path.iterdir() if f.read_text()}) < count:
+            assert time.monotonic() < deadline and agent.poll() is None, f"written: {written}"
+            time.sleep(0.05)
+        return written
+
+    try:
+        assert slots(4) == {0: "0", 1: "1", 2: "2", 3: "3"}
+        pids = {e["member"]: e["pid"] for e in (json.loads(store.get(NodeKeys.event(0, k))) for k in range(4))}
+        for member in (1, 2):
+            os.kill(pids[member], signal.SIGKILL)
+        store.wait([NodeKeys.event(0, 5)])  # the agent reported both lost
+        for index, replaced in enumerate((2, 1)):
+            store.set(NodeKeys.order(0, index), json.dumps({"kind": "start", "replaces": replaced}))
+        store.add(NodeKeys.orders(0), 2)
+        assert slots(6) == {0: "0", 1: "1", 2: "2", 3: "3", 4: "2", 5: "1"}
+    finally:
+        os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait()
+
+
 # --- end to end: nodes as process groups on localhost -----------------------------------------------------------------
 
 # the spare node's pair joined at steps 560-760 (17 s into training, 11 s after its agent registered) with 2 cores

@@ -2,7 +2,9 @@
 coordinator (``coordinator.py``) through the coordinator's store; it decides nothing about the membership.
 
 - It starts ``launch.nproc_per_node`` workers with ids it takes from a store counter (ids never collide across
-  nodes), and a replacement when the coordinator asks for one.
+  nodes), and a replacement when the coordinator asks for one. Each has a slot on the node, its ``LOCAL_RANK`` (on
+  GPUs, its device, as torchrun's local rank is): the founders 0..nproc−1, a replacement the slot its lost worker
+  freed.
 - It sees a worker exit within ``POLL_S`` (its child), and a hung one by its heartbeat (silent for
   ``fault_tolerance.detect_s`` once it said hello; a founder that never says hello, by a bound of its own): it kills
   a hung one before reporting it (fencing: it must not come back into a run that went on without it).
@@ -58,6 +60,7 @@ class _Worker:
     id: int
     process: subprocess.Popen[bytes] | ForkedWorker
     founder: bool  # started at registration: the hello bound applies
+    slot: int  # its place on the node, 0..nproc−1: its LOCAL_RANK (its GPU)
     started: float = field(default_factory=time.monotonic)
     hello: bool = False
     done: bool = False  # trained to the end (its done key, or exit code 0)
@@ -132,16 +135,26 @@ class NodeAgent:
                 env["GLOO_SOCKET_IFNAME"] = interface
         return env
 
-    def _start_worker(self, founder: bool, member: int | None = None) -> int:
-        """Start a worker as ``member`` (default: the store counter's next id)."""
+    def _start_worker(self, founder: bool, slot: int, member: int | None = None) -> int:
+        """Start a worker as ``member`` (default: the store counter's next id) in ``slot`` (its LOCAL_RANK)."""
         if member is None:
             member = self.store.add(NodeKeys.MEMBER_IDS, 1) - 1
         self.store.add(Keys.beat(member), 0)  # exists before the worker beats: read in one multi_get
-        env = {**self.env, MEMBER_ENV: str(member)}
+        env = {**self.env, MEMBER_ENV: str(member), "LOCAL_RANK": str(slot)}
         process = subprocess.Popen(self.command, env=env) if self.command else ForkedWorker(self.config_path, env)
-        self.workers[member] = _Worker(member, process, founder)
+        self.workers[member] = _Worker(member, process, founder, slot)
         self._report("started", member=member, pid=process.pid)
         return member
+
+    def _free_slot(self, replaces: int | None) -> int:
+        """The slot of a replacement: that of the worker it replaces if it was on this node and has exited (its GPU
+        is free), else the lowest slot no running worker holds (else the one fewest hold: never two on one while
+        another is free)."""
+        held = [w.slot for w in self.workers.values() if w.process.poll() is None]
+        lost = self.workers.get(replaces) if replaces is not None else None
+        if lost is not None and lost.slot not in held:
+            return lost.slot
+        return min(range(self.nproc), key=held.count)
 
     def kill_all(self) -> None:
         for worker in self.workers.values():
@@ -175,7 +188,7 @@ class NodeAgent:
         # coordinator ranks nodes by their first id, so member k starts as rank k
         first = self.store.add(NodeKeys.MEMBER_IDS, self.nproc) - self.nproc
         for member in range(first, first + self.nproc):
-            self._start_worker(founder=True, member=member)
+            self._start_worker(founder=True, slot=member - first, member=member)
         info = {"host": socket.gethostname(), "pid": os.getpid(), "workers": self.nproc}
         self.store.set(NodeKeys.info(self.node), json.dumps(info))
         self.last_contact = time.monotonic()
@@ -265,7 +278,7 @@ class NodeAgent:
     def _obey(self, order: dict[str, Any]) -> None:
         kind = order["kind"]
         if kind == "start":
-            member = self._start_worker(founder=False)
+            member = self._start_worker(founder=False, slot=self._free_slot(order.get("replaces")))
             logger.info(f"node {self.node}: member {order['replaces']} replaced by member {member}")
         elif kind == "kill":
             worker = self.workers.get(order["member"])
