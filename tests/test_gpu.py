@@ -417,11 +417,14 @@ def test_engine_equals_plain_loop(name: str, exact_numerics: None) -> None:
 
 
 # -- (e) NCCL with 2 processes; several processes on one GPU (tests/on_gpu.py: the experiment) ---------------
-def _engine_worker(rank: int, world_size: int, topology: str = "ring",
-                   exchange_timeout: float | None = None) -> list[dict[str, Any]]:
+def _engine_worker(rank: int, world_size: int, topology: str = "ring", exchange_timeout: float | None = None,
+                   fault_tolerant: bool = False) -> list[dict[str, Any]]:
     """Two runs through the engine: float64 SGD, and float32 AdamW in 200-byte messages; ``exchange_timeout`` (the
-    engine's ``timeout``, the launcher's comm_timeout_s) gives its exchanges a process group of their own on CUDA."""
-    engine_kwargs = {} if exchange_timeout is None else {"timeout": exchange_timeout}
+    engine's ``timeout``, the launcher's comm_timeout_s) gives its exchanges a process group of their own on CUDA;
+    ``fault_tolerant``: live membership's exchanges (every message point to point, each peer's waited on alone)."""
+    engine_kwargs: dict[str, Any] = {} if exchange_timeout is None else {"timeout": exchange_timeout}
+    if fault_tolerant:
+        engine_kwargs["fault_tolerant"] = True
     results = []
     for dtype, optim_fn, kwargs in [(torch.float64, SGD, {}),
                                     (torch.float32, ADAMW, dict(bucket_size_in_mb=25, message_size_in_mb=0.0002))]:
@@ -457,6 +460,20 @@ def test_nccl_two_processes_match_replay() -> None:
     t0 = time.perf_counter()
     ranks = run_spawned(_engine_worker, 2)
     _check_engine_runs(ranks, 2, "ring", "nccl/2-processes/ring", backend="nccl" if DEVICE.type == "cuda" else "gloo",
+                       seconds=round(time.perf_counter() - t0, 1))
+
+
+@pytest.mark.slow
+@gpu_test
+def test_fault_tolerant_exchanges_on_one_gpu_match_replay() -> None:
+    """Live membership's exchanges (``fault_tolerant``: point to point, a group's too), 4 processes over ``complete``
+    (3 peers each) on one GPU, against the replay. On NCCL a stage's receives and sends go as one batch
+    (``PairPoster.post_each``): posted one by one, receives first on every rank, each pair's receive waited on its
+    stream for a send queued behind the peer's own receive, and the processes hung until the runner's timeout."""
+    backend = one_gpu_backend_or_skip(needs_pairs=True)
+    t0 = time.perf_counter()
+    ranks = run_spawned(_engine_worker, 4, "complete", 120.0, True, timeout=120, backend=backend, one_gpu=True)
+    _check_engine_runs(ranks, 4, "complete", "one-gpu/engine/fault-tolerant-complete4", backend=backend,
                        seconds=round(time.perf_counter() - t0, 1))
 
 

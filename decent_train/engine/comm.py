@@ -166,10 +166,14 @@ class PairPoster:
 
     def post_each(self, ops: list[dist.P2POp]) -> list[Any]:
         """Start each of ``ops`` on its own, in order; one wait object per op, so that one peer's failure (posting
-        or completing) leaves the others' ops alone."""
+        or completing) leaves the others' ops alone. CUDA tensors are posted as one batch (one NCCL group call), each
+        op's wait that of the whole: posted alone, a pair's receives (posted first on both sides) would each wait on
+        its stream for a send queued behind the peer's own receive, forever; and on NCCL a dead peer shows as a stalled
+        stream, not as one op's error, whichever way they are posted."""
         if ops[0].tensor.device.type != "cpu":
             with unrecorded():
-                return [_post_op(op) for op in ops]
+                batch = _Works(dist.batch_isend_irecv(ops))
+            return [batch] * len(ops)
         self._ensure_thread()
         posting = self._thread.submit(lambda: [_post_op(op) for op in ops])
         return [_PostedOp(posting, i) for i in range(len(ops))]
@@ -194,6 +198,18 @@ class _Failed:
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         raise self.error
+
+
+class _Works:
+    """Works waited on as one: a batch's (NCCL coalesces it into one)."""
+
+    def __init__(self, works: list[Any]):
+        self._works = works
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for work in self._works:
+            work.wait() if timeout is None else work.wait(timeout)
+        return True
 
 
 class _PostedOp:
@@ -224,9 +240,7 @@ class _PostedBatch:
             works = self._future.result(seconds)  # posting's own failure (a closed connection) is raised here
         except concurrent.futures.TimeoutError:
             raise RuntimeError(f"the sends were not posted within {seconds:g} s") from None
-        for work in works:
-            work.wait() if timeout is None else work.wait(timeout)
-        return True
+        return _Works(works).wait(timeout)
 
 
 def run_collective(collective: Callable[..., Any], tensor: torch.Tensor, **kwargs: Any) -> None:
