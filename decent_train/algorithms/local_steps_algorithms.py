@@ -23,7 +23,6 @@ from torch import Tensor, nn
 from decent_train.algorithms import local_steps
 from decent_train.algorithms.base import Algorithm, register
 from decent_train.algorithms.offload import check_offload
-from decent_train.components.metrics import ConsensusProbe
 from decent_train.components.optim import make_optim_fn
 from decent_train.config import AlgorithmConfig, AlgorithmTraits, TrainConfig
 from decent_train.engine.optimizers import LRSchedulerFn
@@ -130,9 +129,7 @@ class FrontAlgorithm(Algorithm):
         self.anchor_consensus = self.consensus_over(anchors, samples, cfg.seed) if anchors else None
         device = self.front.device
         if self.anchor_consensus is not None and anchors[0].device != device:
-            # Offloaded anchors live in host memory, NCCL reduces device tensors: each anchor is measured on the device
-            # (one at a time, at the consensus steps only).
-            self.anchor_consensus._elements = lambda anchor: ConsensusProbe._elements(anchor).to(device)
+            self.anchor_consensus.device = device  # offloaded anchors in host memory: their samples go to the device
 
     def _build_front(self, cfg: TrainConfig, kwargs: dict[str, Any]) -> local_steps.DiLoCo:
         raise NotImplementedError

@@ -220,6 +220,9 @@ class ConsensusProbe:
         self.exact = samples == 0 or samples >= total
         self.scale = 1.0 if self.exact else total / samples
         self.dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+        # where the mean is taken, if not where the tensors are (offloaded anchors in host memory, NCCL reducing
+        # device tensors): the sampled elements move there, not the tensors
+        self.device: torch.device | None = None
         self.picks: list[tuple[Tensor, Tensor]] = []  # (parameter, indices into its elements)
         if not self.exact:
             drawn = torch.randint(total, (samples,), generator=torch.Generator().manual_seed(seed)).sort().values
@@ -243,6 +246,8 @@ class ConsensusProbe:
             mine = torch.cat([self._elements(p).to(self.dtype) for p in self.params])
         else:
             mine = torch.cat([self._elements(p)[index].to(self.dtype) for p, index in self.picks])
+        if self.device is not None:
+            mine = mine.to(self.device)
         world = dist.get_world_size() if dist.is_initialized() else 1
         replicas = self.replicas or world
         mean = mine.clone()
