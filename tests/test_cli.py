@@ -152,6 +152,25 @@ BAD_INPUTS = {
 BAD_ENVIRONMENT = {"engine environment": {"DECENT_TRAIN_COMPILED_INT8": "yes"}}
 
 
+@pytest.mark.slow
+def test_several_nodes_must_name_one_run_directory(tmp_path: Path) -> None:
+    """Each node runs its own ``decent-train``; with ``hydra.run.dir`` from the clock (the default) each would write
+    into a directory of its own: the checkpoints split between them (a two-node run on localhost showed it, and the
+    second node's launcher ended in a traceback, finding no result). Refused in one line, before any worker, and no
+    run directory is left; the same command naming a directory passes (a dry run)."""
+    several = ["launch.nnodes=2", "launch.rdzv_endpoint=localhost:29400", "launch.rdzv_id=job7", "dry_run=true"]
+    refused = decent_train(*several, cwd=tmp_path)
+    assert refused.returncode == 2, refused.stderr
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("decent-train: error: launch.nnodes=2 with hydra.run.dir=outputs/"
+                                                   "${now:%Y-%m-%d}/${now:%H-%M-%S}"), refused.stderr
+    assert "set hydra.run.dir=/shared/PATH, the same on every node" in lines[0]
+    assert not [p for p in (tmp_path / "outputs").rglob("*") if p.is_file()]
+    check_succeeded(decent_train(*several, f"hydra.run.dir={tmp_path / 'shared'}", cwd=tmp_path))
+    one_node = decent_train("launch.nnodes=1", "dry_run=true", cwd=tmp_path)  # the clock's directory is fine on one
+    check_succeeded(one_node)
+
+
 @pytest.fixture(scope="module")
 def bad_input_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.Popen[str], str, str, Path]]:
     """Every bad command at once (each costs an interpreter start, not a launch)."""

@@ -192,6 +192,8 @@ def _check_and_launch(cfg: DictConfig, record: dict[str, str]) -> float | None:
         cfg.launch.rdzv_endpoint, cfg.launch.rdzv_id = slurm_rendezvous()
     train_cfg = check_config(cfg)
     check_rendezvous_endpoint(train_cfg.launch)
+    if not multirun and not train_cfg.fault_tolerance.live:  # (live: the coordinator's directory is the run's)
+        _check_one_run_dir(train_cfg.launch, OmegaConf.to_container(hydra_cfg.run, resolve=False)["dir"])
     if train_cfg.fault_tolerance.live and train_cfg.fault_tolerance.role == "agent":
         _write_hydra_record(run_dir, record)
         return _run_agent(train_cfg, run_dir)
@@ -210,6 +212,19 @@ def _check_and_launch(cfg: DictConfig, record: dict[str, str]) -> float | None:
         return _train(train_cfg, run_dir, config_path)
     finally:
         logger.remove(sink)
+
+
+def _check_one_run_dir(launch: Any, written: str) -> None:
+    """Several nodes, each launched by its own ``decent-train`` (torchrun's agents), must share one run directory:
+    each rank writes its checkpoint file there and rank 0 the manifest and results. ``hydra.run.dir`` as
+    ``written`` (before Hydra resolved it) from the clock (the default, ``outputs/${now:...}``) names another one on
+    every node: the checkpoints split between them (none can be resumed) and the other nodes' launchers find no
+    result. Refused in one line."""
+    nodes = node_range(launch.nnodes)[1]
+    if nodes > 1 and "${now:" in written:
+        raise ValueError(f"launch.nnodes={launch.nnodes} with hydra.run.dir={written}: each node's launch would name "
+                         "its own run directory from its clock, and the checkpoints and results would be split "
+                         "between them; set hydra.run.dir=/shared/PATH, the same on every node")
 
 
 def _run_agent(cfg: TrainConfig, run_dir: Path) -> None:
