@@ -202,7 +202,9 @@ def _check_and_launch(cfg: DictConfig, record: dict[str, str]) -> float | None:
     config_path = run_dir / RESOLVED_CONFIG
     resolved = OmegaConf.structured(train_cfg)
     resolved.dry_run = False  # what the workers run: the dry run's file too, so the command it prints trains this job
-    OmegaConf.save(resolved, config_path)
+    partial = config_path.with_name(f"{config_path.name}.{socket.gethostname()}.partial")
+    OmegaConf.save(resolved, partial)  # then renamed: another node's launch may be reading the file (a relaunch)
+    os.replace(partial, config_path)
 
     if train_cfg.dry_run:
         _print_dry_run(train_cfg, config_path)
