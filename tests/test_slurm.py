@@ -107,6 +107,24 @@ def test_sbatch_job_with_a_bad_override_fails_with_the_error(slurm: dict[str, st
 
 @pytest.mark.slow
 @pytest.mark.slurm
+def test_sbatch_job_downloads_the_dataset_on_the_batch_host_before_any_worker(slurm: dict[str, str],
+                                                                               tmp_path: Path) -> None:
+    """``dataset.download=true``: the script fetches the dataset once, before the workers start, as a local launch
+    does. This machine has no route to the dataset's host, so the fetch is seen failing: the job ends with the one
+    line naming it and exit 2, and no worker started. Before, nothing downloaded: the dry run accepts a missing
+    dataset that is to be downloaded, and every worker then failed on the missing files."""
+    job_id = sbatch("--cpus-per-task=1", str(SBATCH_SCRIPT), "steps=12", "eval_every=0", "logger=jsonl",
+                    "dataset=cifar10", f"dataset.root={tmp_path / 'cifar'}", "dataset.download=true", env=slurm,
+                    cwd=tmp_path)
+    job = wait_for(job_id, slurm)
+    output = (tmp_path / f"decent-train-{job_id}.out").read_text()
+    assert (job["JobState"], job["ExitCode"]) == ("FAILED", "2:0"), output
+    assert f"decent-train: error: dataset.download=true could not fetch cifar10 into {tmp_path / 'cifar'}" in output
+    assert not (tmp_path / "outputs" / "slurm" / job_id / "logs").exists()  # no worker started
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
 def test_submitit_sweep_runs_each_job_on_slurm(slurm: dict[str, str], tmp_path: Path) -> None:
     sweep_dir = tmp_path / "sweep"
     proc = subprocess.run(
