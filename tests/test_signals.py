@@ -32,7 +32,7 @@ from decent_train.launcher.supervisor import WORKERS_FILE
 from decent_train.training.stop import EXIT_STOPPED, STOP_FILE
 
 from .jobs import COMMAND, free_port, start, worker_pids
-from .test_elastic import alive
+from .test_elastic import alive, descendants
 
 pytestmark = [pytest.mark.alone, pytest.mark.slow]
 
@@ -187,6 +187,30 @@ def test_a_signal_while_the_workers_start_stops_them_with_a_checkpoint(tmp_path:
     assert run.sent_at < 0, f"the workers had recorded a step already: not the moment this test is about\n{run}"
     check_stopped(run, signal.SIGTERM, set(range(1, STEPS)))
     assert not (run.run_dir / "stop_requested").exists(), f"{run}"  # the launcher's, gone with it
+
+def test_sigterm_to_every_process_of_a_slurm_job_stops_with_a_checkpoint(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """SLURM's scancel, preemption and time limit (proctrack/cgroup) send SIGTERM to every process of the job step at
+    once: the launcher, its forkserver, multiprocessing's resource tracker and every worker, not to the launcher
+    alone. In a SLURM job (``SLURM_JOB_ID``) the workers take it as a stop, and the forkserver, whose death would
+    take them along, ignores it: every worker stops at one step with a checkpoint. Before, the forkserver and the
+    workers died of it (no checkpoint: the launcher reported the workers' failure). wandb's service, a process of
+    the step too, dies of it, which the run reports in a warning line and goes on without wandb (``logger=jsonl``
+    here, so that the lines are the launcher's alone)."""
+    monkeypatch.setenv("SLURM_JOB_ID", "7")  # what the workers and the launcher are told; nothing else of SLURM runs
+
+    def every_process(proc: subprocess.Popen[bytes], _: Path) -> None:
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+
+    # logger=jsonl: wandb's service is a process of the step too, and dies of it (a warning line: wandb is off)
+    run = launch(tmp_path, "cgroup", ["decent-train", *JOB, "logger=jsonl"], lambda d: last_step(d) >= 20,
+                 every_process)
+    seen = run.stop["signal"] if run.returncode == EXIT_STOPPED else None
+    assert seen in ("SIGTERM", "SIGUSR1"), f"{run}"  # SLURM's own, or the launcher's passed on: whichever came first
+    check_stopped(run, signal.SIGTERM, {30, 40}, seen=signal.Signals[seen])
+
 
 def test_a_second_ctrl_c_stops_at_once(tmp_path: Path) -> None:
     """Records every 50 steps: the agreed stop is seconds away when the second Ctrl-C comes."""

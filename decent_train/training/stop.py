@@ -67,10 +67,13 @@ def install(request_file: Path | None = None) -> None:
 
     Under decent-train's launcher only :data:`FORWARDED` (and SIGINT): torchrun's agent stops the workers with
     SIGTERM when one failed, to restart them or end the run, and they must go at once, not finish a step with a peer
-    that is gone. Under a plain torchrun (scripts/slurm_train.sbatch) all of :data:`STOP_SIGNALS`: SLURM may send
-    SIGTERM to every process of the job, the workers too; there an agent's restart waits for the others until their
-    collective with the lost peer fails (or torchrun's ``--shutdown-timeout``)."""
-    REQUEST.install((signal.SIGINT, FORWARDED) if AGENT_PID_ENV in os.environ else STOP_SIGNALS)
+    that is gone. Under a plain torchrun (scripts/slurm_train.sbatch), and under decent-train's launcher in a SLURM
+    job (a sweep's job, ``srun decent-train``), all of :data:`STOP_SIGNALS`: SLURM may send SIGTERM to every process
+    of the job step, the workers too, which would otherwise die of it before the launcher's stop reaches them; there an
+    agent's restart waits for the others until their collective with the lost peer fails (or torchrun's
+    ``--shutdown-timeout``)."""
+    under_launcher = AGENT_PID_ENV in os.environ and "SLURM_JOB_ID" not in os.environ
+    REQUEST.install((signal.SIGINT, FORWARDED) if under_launcher else STOP_SIGNALS)
     if request_file is not None and request_file.exists() and REQUEST.signal is None:
         REQUEST.signal = FORWARDED
 
