@@ -21,10 +21,11 @@ os.setsid()  # first: until the forkserver ignores SIGINT, after this import, a 
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 signal.signal(signal.SIGINT, signal.default_int_handler)
-# SLURM (scancel, preemption, a time limit) sends SIGTERM to every process of the job step, this one too: dying of it
-# would take the workers along (they die with this process) before they stop with a checkpoint. It dies with the
-# launcher. Each worker sets SIGTERM's handling for itself (worker.take_the_launch, training/stop.py).
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
+# SLURM (scancel, preemption, a time limit; --signal) sends its signal to every process of the job step, this one
+# too: dying of it would take the workers along (they die with this process) before they stop with a checkpoint. It
+# dies with the launcher. Each worker sets their handling for itself (worker.take_the_launch, training/stop.py).
+for _sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+    signal.signal(_sig, signal.SIG_IGN)
 
 from decent_train.launcher.forking import LAUNCHER_PID_ENV  # noqa: E402  (imports nothing heavy)
 

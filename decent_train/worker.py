@@ -102,7 +102,8 @@ def take_the_launch(config_path: str, cwd: str, environ: dict[str, str]) -> None
     os.environ.update(environ)
     os.environ.update(agents)
     os.environ[stop.AGENT_PID_ENV] = FORKSERVER_ENVIRON[stop.AGENT_PID_ENV]
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the forkserver ignores it (decent_train/forkserver.py)
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):  # the forkserver ignores them (forkserver.py)
+        signal.signal(sig, signal.SIG_DFL)
     os.chdir(cwd)
     sys.argv = [__file__, config_path]
     # multiprocessing made the forkserver this process's default way to start one; the platform's, as in a fresh

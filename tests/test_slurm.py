@@ -147,6 +147,50 @@ def test_submitit_sweep_runs_each_job_on_slurm(slurm: dict[str, str], tmp_path: 
 
 @pytest.mark.slow
 @pytest.mark.slurm
+def test_a_sweep_job_stops_at_submitits_signal_is_requeued_and_ends_as_if_never_stopped(slurm: dict[str, str],
+                                                                                         tmp_path: Path) -> None:
+    """SIGUSR2 to every process of a sweep's job (``scancel --signal=USR2``: what SLURM sends there 120 s before the
+    time limit, ``--signal=USR2@120``, and what submitit's own preemption test sends): the workers stop at one step
+    with a checkpoint, submitit requeues the job, and the job continues from it (no step twice) to the very model an
+    uninterrupted local run ends with. Before, the workers and the process they are forked from died of it, and
+    submitit ended the job ("timed-out too many times", a traceback): no checkpoint, the sweep failed."""
+    sweep_dir = tmp_path / "sweep"
+    job = ["model=mlp", "steps=3000", "eval_every=0", "logger=jsonl", "logger.progress_bar=false",
+           "launch.nproc_per_node=2"]
+    sweep = subprocess.Popen(
+        [str(Path(sys.executable).parent / "decent-train"), "-m", "hydra/launcher=slurm", "launch.slurm.cpus_per_task=2",
+         "launch.slurm.time_min=10", *job, f"hydra.sweep.dir={sweep_dir}"],
+        env=slurm, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (sweep_dir / "0" / "metrics.jsonl").exists():
+            assert time.monotonic() < deadline and sweep.poll() is None, "the job did not start training"
+            time.sleep(0.2)
+        job_id = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm, capture_output=True, text=True).stdout.split()[0]
+        subprocess.run(["scancel", "--signal=USR2", job_id], env=slurm, check=True)
+        output, _ = sweep.communicate(timeout=420)  # SLURM holds a requeued job for a while before it runs again
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+    assert sweep.returncode == 0, output
+    run_dir = sweep_dir / "0"
+    shown = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=slurm, capture_output=True, text=True).stdout
+    assert "Restarts=1" in shown, shown  # requeued once (its state may still read RUNNING as the sweep returns)
+    logs = (run_dir / "logs" / "rank0.log").read_text()
+    stopped = int(logs.split(": stopping on SIGUSR2")[0].rsplit("step ", 1)[1])
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{stopped:08d}'} (step {stopped})" in logs, logs[-2000:]
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == len(set(steps)) and max(steps) == 3000 and 0 < stopped < 3000
+    local = decent_train(*job, f"hydra.run.dir={tmp_path / 'local'}", cwd=tmp_path)  # the oracle: never stopped
+    check_succeeded(local)
+    on_slurm, here = parameters(run_dir / "model.pt"), parameters(tmp_path / "local" / "model.pt")
+    assert on_slurm.keys() == here.keys()
+    for name in here:
+        assert torch.equal(on_slurm[name], here[name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
 def test_submitit_job_that_fails_ends_the_sweep_with_its_error(slurm: dict[str, str], tmp_path: Path) -> None:
     # Values are checked in the job, on its node (composition errors stop the sweep before any submission).
     proc = subprocess.run(

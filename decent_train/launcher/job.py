@@ -326,7 +326,21 @@ def _exit_stopped(cfg: TrainConfig, run_dir: Path, sig: signal.Signals) -> None:
         sweep = "; to go on: " + format_command(["decent-train", f"resume={run_dir}", *kept_overrides])
     print(f"decent-train: stopped by {sig.name} at step {stop.step} of {stop.total_steps} with a checkpoint "
           f"({stop.checkpoint}){sweep}", file=sys.stderr, flush=True)
+    _requeue_by_submitit(sig)
     raise SystemExit(EXIT_STOPPED)
+
+
+def _requeue_by_submitit(sig: signal.Signals) -> None:
+    """A SLURM sweep's job (hydra/launcher=slurm) stopped by submitit's signal (SIGUSR2: before the time limit, or a
+    preemption), now that its workers saved: submitit's own handler of it, which the launch held back while the
+    workers stopped (launch.StopForwarding), requeues the job and ends this process (SystemExit); the requeued job
+    continues from the checkpoint (preflight.check_continuation). Where it does not requeue (more timeouts than
+    ``hydra.launcher.max_num_timeout``), it raises, and the job ends as stopped, its one line printed."""
+    handler = signal.getsignal(sig)
+    if sig != signal.SIGUSR2 or "SUBMITIT_FOLDER" not in os.environ or not callable(handler):
+        return
+    with contextlib.suppress(Exception):  # submitit's UncompletedJobError: not requeued
+        handler(int(sig), None)
 
 
 COMMAND_LINE: list[str] = []  # the words after decent-train, as given (run() keeps them; a sweep's lists are in them)

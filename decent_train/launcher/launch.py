@@ -28,7 +28,7 @@ from torch.distributed.launcher.api import elastic_launch
 from decent_train.components.launch import TORCH_STORE_TIMEOUT_S
 from decent_train.config import TORCH_KEEP_ALIVE_S, TORCH_LAST_CALL_S, LaunchConfig
 from decent_train.launcher.forking import environment, spawn_forkserver
-from decent_train.training.stop import FORWARDED, REQUEST_FILE, STOP_SIGNALS
+from decent_train.training.stop import FORWARDED, REQUEST_FILE, stop_signals
 from decent_train.worker import forked
 
 WORKER_MODULE = "decent_train.worker"
@@ -218,7 +218,7 @@ class StopForwarding:
     def __enter__(self) -> StopForwarding:
         if self.request_file is not None:
             self.request_file.unlink(missing_ok=True)  # an earlier launch's, into the same directory
-        self._saved = {sig: signal.signal(sig, self) for sig in STOP_SIGNALS}
+        self._saved = {sig: signal.signal(sig, self) for sig in stop_signals()}
         return self
 
     def __exit__(self, *exc: object) -> None:

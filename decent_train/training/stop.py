@@ -28,6 +28,9 @@ STOP_FILE = "stopped.json"
 EXIT_STOPPED = 75  # sysexits.h EX_TEMPFAIL: stopped with a checkpoint, resume= continues (scripts/slurm_train.sbatch)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 FORWARDED = signal.SIGUSR1  # what decent-train's launcher passes on to its workers, whichever of these it received
+# In a SLURM job also SIGUSR2: submitit's (hydra/launcher=slurm) before the time limit and at a preemption, which
+# SLURM sends to every process of the job step, as it does SIGTERM
+SLURM_STOP_SIGNALS = (*STOP_SIGNALS, signal.SIGUSR2)
 AGENT_PID_ENV = "DECENT_TRAIN_AGENT_PID"  # set by decent-train's launcher for its workers (runtime.die_with_agent)
 # Beside the resolved config: the launcher's stop signal, for workers it could not pass it on to (not started yet).
 REQUEST_FILE = "stop_requested"
@@ -73,9 +76,15 @@ def install(request_file: Path | None = None) -> None:
     agent's restart waits for the others until their collective with the lost peer fails (or torchrun's
     ``--shutdown-timeout``)."""
     under_launcher = AGENT_PID_ENV in os.environ and "SLURM_JOB_ID" not in os.environ
-    REQUEST.install((signal.SIGINT, FORWARDED) if under_launcher else STOP_SIGNALS)
+    REQUEST.install((signal.SIGINT, FORWARDED) if under_launcher else stop_signals())
     if request_file is not None and request_file.exists() and REQUEST.signal is None:
         REQUEST.signal = FORWARDED
+
+
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """The signals that stop a run with a checkpoint in this process: :data:`STOP_SIGNALS`, in a SLURM job
+    :data:`SLURM_STOP_SIGNALS`."""
+    return SLURM_STOP_SIGNALS if "SLURM_JOB_ID" in os.environ else STOP_SIGNALS
 
 
 @dataclass
