@@ -132,7 +132,9 @@ def test_sbatch_dry_run_with_min_nodes_runs_an_elastic_range(tmp_path: Path) -> 
     head = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
     command = shlex.split(proc.stdout.split("would run on each node:")[1])  # printed with printf %q
     # A lost node must not end the job step: no --kill-on-bad-exit, and --no-kill.
-    assert command[:5] == ["srun", "--nodes=4", "--ntasks-per-node=1", "--no-kill", "--kill-on-bad-exit=0"]
+    cpus = len(os.sched_getaffinity(0))  # the node's CPUs for its one task (the dry run: this host's)
+    assert command[:6] == ["srun", "--nodes=4", "--ntasks-per-node=1", f"--cpus-per-task={cpus}", "--no-kill",
+                           "--kill-on-bad-exit=0"]
     run = command.index("torch.distributed.run") + 1
     assert command[run - 5:run - 2] == ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "python3"]
     assert command[run:] == [

@@ -158,15 +158,16 @@ def test_a_sweep_job_stops_at_submitits_signal_is_requeued_and_ends_as_if_never_
     job = ["model=mlp", "steps=3000", "eval_every=0", "logger=jsonl", "logger.progress_bar=false",
            "launch.nproc_per_node=2"]
     sweep = subprocess.Popen(
-        [str(Path(sys.executable).parent / "decent-train"), "-m", "hydra/launcher=slurm", "launch.slurm.cpus_per_task=2",
-         "launch.slurm.time_min=10", *job, f"hydra.sweep.dir={sweep_dir}"],
+        [str(Path(sys.executable).parent / "decent-train"), "-m", "hydra/launcher=slurm",
+         "launch.slurm.cpus_per_task=2", "launch.slurm.time_min=10", *job, f"hydra.sweep.dir={sweep_dir}"],
         env=slurm, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
         while not (sweep_dir / "0" / "metrics.jsonl").exists():
             assert time.monotonic() < deadline and sweep.poll() is None, "the job did not start training"
             time.sleep(0.2)
-        job_id = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm, capture_output=True, text=True).stdout.split()[0]
+        queue = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm, capture_output=True, text=True).stdout
+        job_id = queue.split()[0]
         subprocess.run(["scancel", "--signal=USR2", job_id], env=slurm, check=True)
         output, _ = sweep.communicate(timeout=420)  # SLURM holds a requeued job for a while before it runs again
     finally:
@@ -232,7 +233,9 @@ def test_sbatch_dry_run_checks_and_prints_the_commands_of_every_node(
     assert f"alternating-exp-ring: {4 * workers} workers (4 nodes x {workers})" in proc.stdout
     head = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
     command = proc.stdout.split("would run on each node:")[1].split()
-    assert command[:4] == ["srun", "--nodes=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    # the node's CPUs asked for its one task (srun does not inherit sbatch's --cpus-per-task on SLURM 22.05-23.02)
+    cpus = len(os.sched_getaffinity(0))  # SLURM_CPUS_ON_NODE of the dry run: this host's
+    assert command[:5] == ["srun", "--nodes=4", "--ntasks-per-node=1", f"--cpus-per-task={cpus}", "--kill-on-bad-exit=1"]
     assert command[-9:] == [
         "--nnodes=4", f"--nproc-per-node={workers}", "--rdzv-backend=c10d", f"--rdzv-endpoint={head}:29500", "--rdzv-id=0",
         "--max-restarts=0", "-m", "decent_train.worker", str(tmp_path / "run" / "resolved_config.yaml"),
