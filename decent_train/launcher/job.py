@@ -216,7 +216,7 @@ def _check_and_launch(cfg: DictConfig, record: dict[str, str]) -> float | None:
         logger.remove(sink)
 
 
-def _check_one_run_dir(launch: Any, written: str) -> None:
+def _check_one_run_dir(launch: LaunchConfig, written: str) -> None:
     """Several nodes, each launched by its own ``decent-train`` (torchrun's agents), must share one run directory:
     each rank writes its checkpoint file there and rank 0 the manifest and results. ``hydra.run.dir`` as
     ``written`` (before Hydra resolved it) from the clock (the default, ``outputs/${now:...}``) names another one on

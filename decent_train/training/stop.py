@@ -71,7 +71,7 @@ def install(request_file: Path | None = None) -> None:
     Under decent-train's launcher only :data:`FORWARDED` (and SIGINT): torchrun's agent stops the workers with
     SIGTERM when one failed, to restart them or end the run, and they must go at once, not finish a step with a peer
     that is gone. Under a plain torchrun (scripts/slurm_train.sbatch), and under decent-train's launcher in a SLURM
-    job (a sweep's job, ``srun decent-train``), all of :data:`STOP_SIGNALS`: SLURM may send SIGTERM to every process
+    job (a sweep's job, ``srun decent-train``), all of :func:`stop_signals`: SLURM may send SIGTERM to every process
     of the job step, the workers too, which would otherwise die of it before the launcher's stop reaches them; there an
     agent's restart waits for the others until their collective with the lost peer fails (or torchrun's
     ``--shutdown-timeout``)."""
