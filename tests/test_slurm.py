@@ -177,6 +177,9 @@ def test_a_sweep_job_stops_at_submitits_signal_is_requeued_and_ends_as_if_never_
     run_dir = sweep_dir / "0"
     shown = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=slurm, capture_output=True, text=True).stdout
     assert "Restarts=1" in shown, shown  # requeued once (its state may still read RUNNING as the sweep returns)
+    (first_err,) = sweep_dir.glob(".submitit/*/*_0_log.err")  # the job's stderr, the requeued run's appended
+    assert "with a checkpoint" in first_err.read_text() and "submitit requeued the job, which continues from it" in \
+        first_err.read_text(), first_err.read_text()[-2000:]
     logs = (run_dir / "logs" / "rank0.log").read_text()
     stopped = int(logs.split(": stopping on SIGUSR2")[0].rsplit("step ", 1)[1])
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{stopped:08d}'} (step {stopped})" in logs, logs[-2000:]

@@ -324,23 +324,30 @@ def _exit_stopped(cfg: TrainConfig, run_dir: Path, sig: signal.Signals) -> None:
     if not sweep:
         kept_overrides = [o for o in cfg.run.overrides if not o.lstrip("+~").startswith(("hydra.", "resume="))]
         sweep = "; to go on: " + format_command(["decent-train", f"resume={run_dir}", *kept_overrides])
+    requeued = _requeued_by_submitit(sig)
+    if requeued is not None:
+        sweep = "; submitit requeued the job, which continues from it"
     print(f"decent-train: stopped by {sig.name} at step {stop.step} of {stop.total_steps} with a checkpoint "
           f"({stop.checkpoint}){sweep}", file=sys.stderr, flush=True)
-    _requeue_by_submitit(sig)
-    raise SystemExit(EXIT_STOPPED)
+    raise requeued or SystemExit(EXIT_STOPPED)
 
 
-def _requeue_by_submitit(sig: signal.Signals) -> None:
+def _requeued_by_submitit(sig: signal.Signals) -> SystemExit | None:
     """A SLURM sweep's job (hydra/launcher=slurm) stopped by submitit's signal (SIGUSR2: before the time limit, or a
     preemption), now that its workers saved: submitit's own handler of it, which the launch held back while the
-    workers stopped (launch.StopForwarding), requeues the job and ends this process (SystemExit); the requeued job
-    continues from the checkpoint (preflight.check_continuation). Where it does not requeue (more timeouts than
-    ``hydra.launcher.max_num_timeout``), it raises, and the job ends as stopped, its one line printed."""
+    workers stopped (launch.StopForwarding), requeues the job and asks this process to end (its SystemExit, returned);
+    the requeued job continues from the checkpoint (preflight.check_continuation). None where it does not requeue
+    (more timeouts than ``hydra.launcher.max_num_timeout``: it raises), or outside such a job."""
     handler = signal.getsignal(sig)
     if sig != signal.SIGUSR2 or "SUBMITIT_FOLDER" not in os.environ or not callable(handler):
-        return
-    with contextlib.suppress(Exception):  # submitit's UncompletedJobError: not requeued
+        return None
+    try:
         handler(int(sig), None)
+    except SystemExit as requeued:
+        return requeued
+    except Exception:  # submitit's UncompletedJobError: not requeued
+        return None
+    return None
 
 
 COMMAND_LINE: list[str] = []  # the words after decent-train, as given (run() keeps them; a sweep's lists are in them)
