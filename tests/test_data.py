@@ -252,6 +252,82 @@ def test_download_only_for_cifar(tmp_path: Path) -> None:
     assert len(build_datasets(cfg).test) == CIFAR10_SIZES["test_batch"]
 
 
+DOWNLOADER = """
+import json, sys, time
+from pathlib import Path
+from torchvision.datasets import CIFAR10
+from decent_train.components.data import images
+url, sums, root, go, delay = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), sys.argv[5]
+CIFAR10.url, CIFAR10.tgz_md5 = url, sums["archive"]  # this test's server and archive; torchvision's code otherwise
+CIFAR10.train_list = [[f, sums[f]] for f, _ in CIFAR10.train_list]
+CIFAR10.test_list = [[f, sums[f]] for f, _ in CIFAR10.test_list]
+CIFAR10.meta = {**CIFAR10.meta, "md5": None}
+while not go.exists():  # every process imported: they download at once, each started a little later
+    time.sleep(0.01)
+time.sleep(float(delay))
+images.download_cifar(root, "cifar10")
+"""
+
+
+def test_launches_downloading_into_one_shared_root_at_once_leave_it_whole(tmp_path: Path) -> None:
+    """Several nodes' launches with ``dataset.download=true`` and one ``dataset.root`` on a shared file system fetch
+    it at the same time. Four processes here, each with torchvision's own download and extraction, from a local
+    server that sends the archive (the CIFAR files of tests/datafiles.py and 8 MB of padding) in slow chunks so that
+    the downloads overlap (each starts 0.3 s after the one before): every process succeeds, the dataset's folder
+    holds exactly the files served, and no download's own folder is left. Into one folder, as before, a later
+    download truncated the archive under an earlier one: 1 or 2 of the 4 failed ("File not found or corrupted")."""
+    import hashlib
+    import http.server
+    import io
+    import json
+    import tarfile
+    import threading
+    import time
+
+    source = tmp_path / "source"
+    write_cifar(source, "cifar10")
+    with open(source / images.CIFAR_DIR["cifar10"] / "batches.meta", "wb") as meta:  # torchvision's loader reads it
+        pickle.dump({"label_names": [f"class{k}" for k in range(10)]}, meta, protocol=2)
+    (source / images.CIFAR_DIR["cifar10"] / "padding.bin").write_bytes(np.random.default_rng(0).bytes(8 << 20))
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        archive.add(source / images.CIFAR_DIR["cifar10"], arcname=images.CIFAR_DIR["cifar10"])
+    body = buffer.getvalue()
+    files = sorted((source / images.CIFAR_DIR["cifar10"]).iterdir())
+    sums = {f.name: hashlib.md5(f.read_bytes()).hexdigest() for f in files} | {"archive": hashlib.md5(body).hexdigest()}
+
+    class Slow(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            for start in range(0, len(body), 1 << 20):  # about 1 s per download
+                self.wfile.write(body[start:start + (1 << 20)])
+                time.sleep(0.1)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    root, go = tmp_path / "shared", tmp_path / "go"
+    url = f"http://127.0.0.1:{server.server_address[1]}/cifar-10-python.tar.gz"
+    try:
+        procs = [subprocess.Popen([sys.executable, "-c", DOWNLOADER, url, json.dumps(sums), str(root), str(go),
+                                   str(0.3 * k)], stderr=subprocess.PIPE, text=True) for k in range(4)]
+        time.sleep(8)  # each imports torchvision first
+        go.touch()
+        errors = [proc.communicate(timeout=120)[1] for proc in procs]
+    finally:
+        server.shutdown()
+    last_lines = "\n".join(e.replace("\r", "\n").strip().rsplit("\n", 1)[-1] for e in errors)  # past the progress
+    assert [proc.returncode for proc in procs] == [0] * 4, last_lines
+    assert sorted(p.name for p in root.iterdir()) == [images.CIFAR_DIR["cifar10"]]  # no download's folder left
+    fetched = root / images.CIFAR_DIR["cifar10"]
+    assert {f.name: hashlib.md5(f.read_bytes()).hexdigest() for f in fetched.iterdir()} == \
+        {k: v for k, v in sums.items() if k != "archive"}
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # ImageNet-style class folders
 # --------------------------------------------------------------------------------------------------------------------

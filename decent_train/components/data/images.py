@@ -6,8 +6,12 @@ torchvision is imported inside the functions that use it (a download, the image-
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import pickle
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Optional
@@ -144,17 +148,30 @@ def crop_flip(x: Tensor, padding: int, draws: Tensor) -> Tensor:
 
 
 def download_cifar(root: Path, name: str) -> None:
-    """torchvision's download of ``name`` into ``root``, unless it is there already."""
+    """torchvision's download of ``name`` into ``root``, unless it is there already: into a folder of this process's
+    own under ``root`` first, then the dataset's folder renamed into place, whole. Several nodes' launches sharing
+    ``root`` (a shared file system) may download at once, and torchvision writes the archive and extracts it in
+    place: into one folder, they would corrupt it."""
     if cifar_present(root, name):
         return
     from torchvision import datasets
 
     cls = datasets.CIFAR10 if name == "cifar10" else datasets.CIFAR100
     try:
-        for train in (True, False):
-            cls(str(root), train=train, download=True)
+        root.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{name}-download-", dir=root))
+        try:
+            for train in (True, False):
+                cls(str(staging), train=train, download=True)
+            with contextlib.suppress(OSError):  # another launch's came first (whole too), or an old one's is there
+                os.rename(staging / CIFAR_DIR[name], root / CIFAR_DIR[name])
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     except Exception as error:  # network, disk: one line, not urllib's traceback
         raise ValueError(f"dataset.download=true could not fetch {name} into {root}: {error}") from None
+    if not cifar_present(root, name):
+        raise ValueError(f"dataset.download=true: {root / CIFAR_DIR[name]} holds an incomplete {name} (an earlier "
+                         "download's?); remove it, or give another dataset.root")
 
 
 def check_image_folder(root: Path) -> None:
