@@ -3,10 +3,17 @@ tests write themselves and per-sample computations by hand."""
 
 from __future__ import annotations
 
+import hashlib
+import http.server
+import io
+import json
 import pickle
 import re
 import subprocess
 import sys
+import tarfile
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -276,14 +283,6 @@ def test_launches_downloading_into_one_shared_root_at_once_leave_it_whole(tmp_pa
     the downloads overlap (each starts 0.3 s after the one before): every process succeeds, the dataset's folder
     holds exactly the files served, and no download's own folder is left. Into one folder, as before, a later
     download truncated the archive under an earlier one: 1 or 2 of the 4 failed ("File not found or corrupted")."""
-    import hashlib
-    import http.server
-    import io
-    import json
-    import tarfile
-    import threading
-    import time
-
     source = tmp_path / "source"
     write_cifar(source, "cifar10")
     with open(source / images.CIFAR_DIR["cifar10"] / "batches.meta", "wb") as meta:  # torchvision's loader reads it

@@ -17,6 +17,7 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -202,9 +203,7 @@ def _check_and_launch(cfg: DictConfig, record: dict[str, str]) -> float | None:
     config_path = run_dir / RESOLVED_CONFIG
     resolved = OmegaConf.structured(train_cfg)
     resolved.dry_run = False  # what the workers run: the dry run's file too, so the command it prints trains this job
-    partial = config_path.with_name(f"{config_path.name}.{socket.gethostname()}.partial")
-    OmegaConf.save(resolved, partial)  # then renamed: another node's launch may be reading the file (a relaunch)
-    os.replace(partial, config_path)
+    _write_whole(config_path, lambda partial: OmegaConf.save(resolved, partial))  # another node may read it
 
     if train_cfg.dry_run:
         _print_dry_run(train_cfg, config_path)
@@ -303,10 +302,16 @@ def complete_result(path: Path, wall: float, changes: list[dict[str, Any]] | Non
         result["membership_changes"] = changes
     if os.environ.get("SLURM_NODEID", "0") == "0":  # on SLURM, the first node completes it
         result["wall_time_s"] = wall
-        partial = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.partial")
-        partial.write_text(json.dumps(result, indent=2) + "\n")
-        os.replace(partial, path)
+        _write_whole(path, lambda partial: partial.write_text(json.dumps(result, indent=2) + "\n"))
     return result
+
+
+def _write_whole(path: Path, write: Callable[[Path], object]) -> None:
+    """``write`` a file of this process's own beside ``path``, then rename it over ``path``: several nodes' launches
+    share the run directory, and one reading ``path`` never sees another's half-written."""
+    partial = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.partial")
+    write(partial)
+    os.replace(partial, path)
 
 
 def _exit_stopped(cfg: TrainConfig, run_dir: Path, sig: signal.Signals) -> None:
