@@ -266,7 +266,11 @@ class Node:
 
     def socket(self, kind: socket.SocketKind = socket.SOCK_STREAM) -> socket.socket:
         """An IPv4 socket of the test's own, inside this node's namespace (for probes without a process)."""
-        return _in_namespace(f"/var/run/netns/{self.namespace}", lambda: socket.socket(socket.AF_INET, kind))
+        return self.call(lambda: socket.socket(socket.AF_INET, kind))
+
+    def call(self, work: Callable[[], T]) -> T:
+        """``work()`` on a thread inside this node's namespace: what it asks of the network, it asks the node's."""
+        return _in_namespace(f"/var/run/netns/{self.namespace}", work)
 
     def cut(self) -> None:
         """Drop every packet to and from this node (module docstring: why blackhole); its processes run on."""

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from loguru import logger
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import (
@@ -28,6 +29,7 @@ from torch.distributed.launcher.api import elastic_launch
 from decent_train.components.launch import TORCH_STORE_TIMEOUT_S
 from decent_train.config import TORCH_KEEP_ALIVE_S, TORCH_LAST_CALL_S, LaunchConfig
 from decent_train.launcher.forking import environment, spawn_forkserver
+from decent_train.launcher.network import GLOO_INTERFACE, NodeAddress, this_node
 from decent_train.training.stop import FORWARDED, REQUEST_FILE, stop_signals
 from decent_train.worker import forked
 
@@ -138,6 +140,8 @@ def launch_workers(cfg: LaunchConfig, config_path: Path) -> signal.Signals | Non
     and raises :class:`Interrupted`. The launcher forwards these itself: torchrun's agent would, but after a first
     signal it waits for the workers in a ``finally`` as well, so a second Ctrl-C would wait again instead of stopping.
     """
+    node = this_node(*parse_rendezvous_endpoint(cfg.rdzv_endpoint, RENDEZVOUS_DEFAULT_PORT)) if cfg.rdzv_endpoint \
+        else NodeAddress()
     elastic = ElasticLaunchConfig(
         min_nodes=cfg.min_nodes,
         max_nodes=cfg.max_nodes,
@@ -145,7 +149,8 @@ def launch_workers(cfg: LaunchConfig, config_path: Path) -> signal.Signals | Non
         run_id=cfg.rdzv_id or uuid.uuid4().hex,
         rdzv_backend="c10d",
         rdzv_endpoint=cfg.rdzv_endpoint or "localhost:0",  # port 0: parallel jobs never collide
-        rdzv_configs=_rendezvous_settings(cfg),
+        rdzv_configs={**_rendezvous_settings(cfg), **({"is_host": True} if node.hosts_store else {})},
+        local_addr=node.address,
         max_restarts=cfg.max_restarts,
         monitor_interval=cfg.monitor_interval,
         signals_to_handle="SIGHUP,SIGQUIT",  # the agent's way: it forwards them and waits (30 s), then kills
@@ -154,8 +159,11 @@ def launch_workers(cfg: LaunchConfig, config_path: Path) -> signal.Signals | Non
     threads = cfg.threads_per_worker or default_threads_per_worker(cfg.nproc_per_node)
     # The agent logs each failure at ERROR; WorkerFailure reports the first one instead.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    for name in _AFTER_THE_WORKERS.loggers:
+        logging.getLogger(name).addFilter(_AFTER_THE_WORKERS)
     with StopForwarding(config_path.parent / REQUEST_FILE) as forward, environment(OMP_NUM_THREADS=str(threads),
-                                                   **(ELASTIC_ENV if cfg.elastic else {})):
+                                                   **(ELASTIC_ENV if cfg.elastic else {}),
+                                                   **({GLOO_INTERFACE: node.interface} if node.interface else {})):
         start_forkserver()
         try:
             elastic_launch(elastic, forked)(str(config_path), os.getcwd(), dict(os.environ))
@@ -168,6 +176,27 @@ def launch_workers(cfg: LaunchConfig, config_path: Path) -> signal.Signals | Non
             raise Interrupted(forward.killed or error.sigval) from None
         except RendezvousError as error:
             raise RendezvousFailed(_rendezvous_failure(cfg, error)) from None
+
+
+class _AfterTheWorkers(logging.Filter):
+    """torch's agents meet at an exit barrier once their workers have ended, in the store of the agent that hosts the
+    rendezvous, and that agent leaves as soon as it has arrived: an agent still waiting then logs a traceback (``Error
+    waiting on exit barrier``) and a warning (``failed to shutdown the rendezvous``). Seen on every node but the
+    first when the first arrives last (two nodes in network namespaces). The launcher reports how the workers ended
+    itself, so these go to launcher.log, not to the terminal."""
+
+    loggers = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.rendezvous.dynamic_rendezvous")
+    messages = ("Error waiting on exit barrier", "has failed to shutdown the rendezvous")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if any(part in message for part in self.messages):
+            logger.debug(f"torch's agent, after the workers: {message}")
+            return False
+        return True
+
+
+_AFTER_THE_WORKERS = _AfterTheWorkers()
 
 
 def start_forkserver() -> None:

@@ -19,11 +19,9 @@ coordinator (``coordinator.py``) through the coordinator's store; it decides not
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -42,7 +40,8 @@ from decent_train.config import RESOLVED_CONFIG, TrainConfig, check_config
 from decent_train.launcher.coordinator import NodeKeys, exit_reason
 from decent_train.launcher.launch import ForkedWorker, StopForwarding, WorkerFailure, default_threads_per_worker, \
     kill_forkserver, pass_stop_on, start_forkserver
-from decent_train.training.live import HEARTBEAT_S, MEMBER_ENV, STORE_ENV, Keys, address_towards
+from decent_train.launcher.network import GLOO_INTERFACE, interface_towards
+from decent_train.training.live import HEARTBEAT_S, MEMBER_ENV, STORE_ENV, Keys
 from decent_train.training.stop import AGENT_PID_ENV, REQUEST_FILE
 
 POLL_S = 0.02  # between two looks at the worker processes (an exit is seen this soon)
@@ -52,7 +51,6 @@ STALE_S = 0.5  # a heartbeat this old: look whether the worker said it is done (
 HELLO_K = 3.0
 HELLO_FLOOR_S = 30.0
 CONNECT_S = 1.0  # the timeout of a reconnection to the coordinator's store (the watchdog bounds the whole)
-SIOCGIFADDR = 0x8915
 
 
 @dataclass
@@ -129,10 +127,10 @@ class NodeAgent:
             "LOCAL_WORLD_SIZE": str(self.nproc),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(self.threads)),
         }
-        if "GLOO_SOCKET_IFNAME" not in env:  # gloo's address: the interface this node reaches the coordinator on
+        if GLOO_INTERFACE not in env:  # gloo's address: the interface this node reaches the coordinator on
             interface = interface_towards(*self.coordinator.rsplit(":", 1))
             if interface is not None:
-                env["GLOO_SOCKET_IFNAME"] = interface
+                env[GLOO_INTERFACE] = interface
         return env
 
     def _start_worker(self, founder: bool, slot: int, member: int | None = None) -> int:
@@ -324,24 +322,6 @@ class NodeAgent:
 def connect(address: str, timeout_s: float) -> dist.TCPStore:
     host, port = address.rsplit(":", 1)
     return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
-
-
-def interface_towards(host: str, port: str) -> str | None:
-    """The network interface this host reaches ``host`` on (gloo binds there: ``GLOO_SOCKET_IFNAME``), or None for
-    a loopback address or when it cannot be told."""
-    try:
-        address = address_towards(host, int(port))
-        if address.startswith("127."):
-            return None
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # asks for each interface's address
-            for _, name in socket.if_nameindex():
-                with contextlib.suppress(OSError):
-                    packed = fcntl.ioctl(probe.fileno(), SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
-                    if socket.inet_ntoa(packed[20:24]) == address:
-                        return name
-    except OSError:
-        return None
-    return None
 
 
 def run_agent(cfg: TrainConfig, run_dir: Path) -> None:
