@@ -159,8 +159,7 @@ def launch_workers(cfg: LaunchConfig, config_path: Path) -> signal.Signals | Non
     threads = cfg.threads_per_worker or default_threads_per_worker(cfg.nproc_per_node)
     # The agent logs each failure at ERROR; WorkerFailure reports the first one instead.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
-    for name in _AFTER_THE_WORKERS.loggers:
-        logging.getLogger(name).addFilter(_AFTER_THE_WORKERS)
+    _AfterTheWorkers.install()
     with StopForwarding(config_path.parent / REQUEST_FILE) as forward, environment(OMP_NUM_THREADS=str(threads),
                                                    **(ELASTIC_ENV if cfg.elastic else {}),
                                                    **({GLOO_INTERFACE: node.interface} if node.interface else {})):
@@ -188,15 +187,18 @@ class _AfterTheWorkers(logging.Filter):
     loggers = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.rendezvous.dynamic_rendezvous")
     messages = ("Error waiting on exit barrier", "has failed to shutdown the rendezvous")
 
+    @classmethod
+    def install(cls) -> None:
+        for name in cls.loggers:
+            if not any(isinstance(f, cls) for f in logging.getLogger(name).filters):
+                logging.getLogger(name).addFilter(cls())
+
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         if any(part in message for part in self.messages):
             logger.debug(f"torch's agent, after the workers: {message}")
             return False
         return True
-
-
-_AFTER_THE_WORKERS = _AfterTheWorkers()
 
 
 def start_forkserver() -> None:
