@@ -47,6 +47,19 @@ def test_a_bare_group_and_option_is_one_line_and_exit_2() -> None:
     assert proc.stderr == "decent-train: error: 'topology' is not key=value; " + EXPECTED.format("topology=ring") + "\n"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("args", [["--help"], ["dry_run=true"]])
+def test_output_whose_reader_left_ends_quietly(args: list[str], tmp_path: Path) -> None:
+    """``decent-train --help | head -1``: the reader closes the pipe, and the next write raises BrokenPipeError (the
+    interpreter ignores SIGPIPE). Here the pipe is closed before the first write. Ends as a writer SIGPIPE kills: no
+    traceback, nothing from Hydra, status 128 + 13."""
+    proc = subprocess.Popen([str(COMMAND), *args, f"hydra.run.dir={tmp_path / 'run'}"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141 and err == "", err
+
+
 # -- decent-train --help --------------------------------------------------------------------------------------------
 def _help(*overrides: str, show_all: bool = False) -> list[str]:
     """The help ``decent-train OVERRIDES --help`` prints, composed in this process as Hydra composes it there."""

@@ -29,6 +29,8 @@ def main() -> None:
     interrupt.install()
     try:
         run()
+    except BrokenPipeError:
+        interrupt.exit_output_closed()
     except (KeyboardInterrupt, interrupt.Stopped, Exception) as error:
         sig = interrupt.stop_signal(error)
         if sig is None:

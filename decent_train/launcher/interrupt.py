@@ -83,5 +83,13 @@ def exit_stopped(sig: signal.Signals) -> NoReturn:
     raise SystemExit(128 + int(sig)) from None
 
 
+def exit_output_closed() -> NoReturn:
+    """The reader of the output left (``decent-train --help | head``): end quietly, with the status of a writer
+    SIGPIPE would have ended (the interpreter ignores SIGPIPE, so a write raised BrokenPipeError instead). Not in the
+    middle of training: the launcher prints there through loguru, which keeps going."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # for the interpreter's own flush at exit
+    raise SystemExit(128 + int(signal.SIGPIPE)) from None
+
+
 def _stopped_line(sig: signal.Signals) -> str:
     return f"decent-train: stopped by {sig.name}; no checkpoint was written at this stop\n"

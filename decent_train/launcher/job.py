@@ -119,6 +119,8 @@ def _run_job(cfg: DictConfig) -> float | None:
     try:
         return _check_and_launch(cfg, record)
     except Exception as error:  # noqa: BLE001 - sorted into the user's mistakes and our bugs by describe_error
+        if isinstance(error, BrokenPipeError):  # decent-train dry_run=true | head
+            interrupt.exit_output_closed()
         sig = interrupt.stop_signal(error)
         if sig is not None:  # an error in a stop's wake: the stop, which Hydra must not record as this job's failure
             raise interrupt.exception(sig) from None
