@@ -140,7 +140,7 @@ def test_sbatch_dry_run_with_min_nodes_runs_an_elastic_range(tmp_path: Path) -> 
     assert command[run:] == [
         "--rdzv-conf=last_call_timeout=30,keep_alive_interval=5",
         "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout=100",  # stops: a checkpoint
-        "--nnodes=2:4", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint={head}:29500", "--rdzv-id=0",
+        "--nnodes=2:4", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint={head}:15000", "--rdzv-id=0",
         "--max-restarts=2", "-m", "decent_train.worker", str(tmp_path / "run" / "resolved_config.yaml"),
     ]  # fmt: skip
 

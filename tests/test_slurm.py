@@ -82,7 +82,7 @@ def test_sbatch_job_trains_like_the_local_command(slurm: dict[str, str], tmp_pat
     assert result["world_size"] == 2 and result["steps"] == 12  # the job's 2 CPUs: 2 workers
     launch = OmegaConf.load(run_dir / "resolved_config.yaml").launch
     head = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
-    assert launch.rdzv_endpoint == f"{head}:{29500 + int(job_id) % 10000}" and launch.rdzv_id == job_id
+    assert launch.rdzv_endpoint == f"{head}:{15000 + int(job_id) % 10000}" and launch.rdzv_id == job_id
     assert f"--rdzv-endpoint={launch.rdzv_endpoint}" in output and "--max-restarts=0" in output
 
     # The oracle: the same job run by the local command (elastic agent, standalone rendezvous) ends with the same model.
@@ -240,7 +240,7 @@ def test_sbatch_dry_run_checks_and_prints_the_commands_of_every_node(
     cpus = len(os.sched_getaffinity(0))  # SLURM_CPUS_ON_NODE of the dry run: this host's
     assert command[:5] == ["srun", "--nodes=4", "--ntasks-per-node=1", f"--cpus-per-task={cpus}", "--kill-on-bad-exit=1"]
     assert command[-9:] == [
-        "--nnodes=4", f"--nproc-per-node={workers}", "--rdzv-backend=c10d", f"--rdzv-endpoint={head}:29500", "--rdzv-id=0",
+        "--nnodes=4", f"--nproc-per-node={workers}", "--rdzv-backend=c10d", f"--rdzv-endpoint={head}:15000", "--rdzv-id=0",
         "--max-restarts=0", "-m", "decent_train.worker", str(tmp_path / "run" / "resolved_config.yaml"),
     ]
     assert not (tmp_path / "run" / "logs").exists()
@@ -263,11 +263,14 @@ def fake_scontrol(directory: Path, body: str) -> dict[str, str]:
 def test_slurm_rendezvous_is_the_first_node_and_a_port_from_the_job_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from decent_train.launcher.launch import slurm_rendezvous
 
-    env = fake_scontrol(tmp_path / "bin", 'test "$1 $2 $3" = "show hostnames gpu[07-08]" && printf "gpu07\\ngpu08\\n"')
+    env = fake_scontrol(tmp_path / "bin", 'case "$1 $2 $3" in "show hostnames gpu[07-08]") printf "gpu07\\ngpu08\\n";; '
+                                          '"show hostnames gpu[08-09]") printf "gpu08\\ngpu09\\n";; *) exit 1;; esac')
     monkeypatch.setenv("PATH", env["PATH"])
     monkeypatch.setenv("SLURM_JOB_ID", "123456")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[07-08]")
-    assert slurm_rendezvous() == ("gpu07:32956", "123456")  # 29500 + 123456 % 10000
+    assert slurm_rendezvous() == ("gpu07:18456", "123456")  # 15000 + 123456 % 10000
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "gpu[08-09]")  # a step on part of the job's nodes: its own first
+    assert slurm_rendezvous() == ("gpu08:18456", "123456")
 
 
 @pytest.mark.parametrize("body", ["exit 1", "true"])

@@ -34,6 +34,7 @@ from decent_train.training.stop import FORWARDED, REQUEST_FILE, stop_signals
 from decent_train.worker import forked
 
 WORKER_MODULE = "decent_train.worker"
+SLURM_PORT_BASE = 15000  # a SLURM job's rendezvous port: this + job id mod 10000 (slurm_rendezvous)
 # torch 2.15 shares the rank-0 agent's TCP store with the workers and caches its address across rendezvous rounds.
 # When a node joins a running job, an agent that stays rank 0 does not publish the address for the new round, and both
 # agents wait for each other until they time out (seen here); when rank 0's node is lost, the nodes left keep its dead
@@ -105,10 +106,13 @@ def torchrun_command(cfg: LaunchConfig, config_path: Path) -> list[str]:
 
 
 def slurm_rendezvous() -> tuple[str, str]:
-    """``(host:port, id)`` of a c10d rendezvous at the first node of this SLURM job, as ``scripts/slurm_train.sbatch``
-    derives them: port 29500 + job id mod 10000, so jobs that share a node don't collide. Never localhost: on several
+    """``(host:port, id)`` of a c10d rendezvous at the first node of this SLURM job step, as
+    ``scripts/slurm_train.sbatch`` derives them: port 15000 + job id mod 10000, so jobs that share a node don't
+    collide, below Linux's ephemeral ports (32768 up), where a node's own outgoing connections may hold one. The
+    step's nodes, not the job's: a job's first node need not run a task of this step. Never localhost: on several
     nodes each would form a world of its own and wait forever."""
-    job_id, nodes = os.environ["SLURM_JOB_ID"], os.environ.get("SLURM_JOB_NODELIST", "")
+    job_id = os.environ["SLURM_JOB_ID"]
+    nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", "")
     try:
         hosts = subprocess.run(
             ["scontrol", "show", "hostnames", nodes], capture_output=True, text=True, check=True
@@ -119,7 +123,7 @@ def slurm_rendezvous() -> tuple[str, str]:
         why = f"scontrol show hostnames {nodes!r} printed none"
     if not hosts:
         raise ValueError(f"SLURM job {job_id}: cannot find its first node ({why}); set launch.rdzv_endpoint=HOST:PORT")
-    return f"{hosts[0]}:{29500 + int(job_id) % 10000}", job_id
+    return f"{hosts[0]}:{SLURM_PORT_BASE + int(job_id) % 10000}", job_id
 
 
 class Interrupted(Exception):
