@@ -71,6 +71,9 @@ def test_two_nodes_whose_hostname_is_loopback_train_together(tmp_path: Path) -> 
         assert "Traceback" not in text and "exit barrier" not in text, text
     result = json.loads((run_dir / "result.json").read_text())
     assert (result["world_size"], result["steps"]) == (2, 20)
+    # each node's launcher logs to a file of its own, named after its host (both hosts are this one here)
+    assert not (run_dir / "launcher.log").exists()
+    assert " workers on cpu" in (run_dir / f"launcher-{socket.gethostname()}.log").read_text()
 
 
 def test_torchs_exit_barrier_race_goes_to_the_launcher_log_not_the_terminal(capfd: pytest.CaptureFixture) -> None:

@@ -210,7 +210,10 @@ def _check_and_launch(cfg: DictConfig, record: dict[str, str]) -> float | None:
     if train_cfg.dry_run:
         _print_dry_run(train_cfg, config_path)
         return None
-    sink = logger.add(run_dir / "launcher.log", level="DEBUG")
+    # Several nodes share the run directory: each launcher's log is a file of its own (appends from several hosts to
+    # one file on NFS can overwrite each other), named after its host.
+    several = node_range(train_cfg.launch.nnodes)[1] > 1
+    sink = logger.add(run_dir / (f"launcher-{socket.gethostname()}.log" if several else "launcher.log"), level="DEBUG")
     try:
         return _train(train_cfg, run_dir, config_path)
     finally:
