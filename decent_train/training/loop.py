@@ -4,7 +4,6 @@ theirs. Each owns its state; the loop only orders them."""
 from __future__ import annotations
 
 import contextlib
-import math
 import signal
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -124,9 +123,9 @@ def _batches(job: Job, recorder: Recorder) -> Iterator[tuple[Tensor, Tensor]]:
 def _result(job: Job, recorder: Recorder, evaluator: Evaluator) -> dict[str, Any]:
     """Average the workers' models if asked; what ``result.json`` reports of the training."""
     record, train_seconds = recorder.last, recorder.train_seconds
-    if not record:  # resumed from the final checkpoint: only the evaluation of the average is left
-        record = {"train/loss": math.nan, **evaluator.evaluate()}
-        train_seconds = math.inf
+    if not record:  # resumed from the final checkpoint: only the evaluation of the average is left (train.py then
+        record = {"train/loss": None, **evaluator.evaluate()}  # keeps the training's numbers of an earlier result)
+        train_seconds = None
     if job.cfg.final_average:
         job.algo.average()  # the final model is the average of the workers' models
     samples_per_step, world = recorder.samples_per_step, dist.get_world_size()
@@ -139,5 +138,5 @@ def _result(job: Job, recorder: Recorder, evaluator: Evaluator) -> dict[str, Any
         "resumed_from_step": job.start_step,
         "samples": job.total_steps * samples_per_step * world,
         "train_time_s": train_seconds,
-        "throughput/samples_per_s": trained / train_seconds,
+        "throughput/samples_per_s": trained / train_seconds if train_seconds else None,
     }

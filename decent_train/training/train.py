@@ -133,6 +133,23 @@ def _info(job: Job) -> dict[str, Any]:
     }
 
 
+TRAINING_ENTRIES = ("train/loss", "train_time_s", "throughput/samples_per_s", "wall_time_s")
+
+
+def _trained_before(path: Path, steps: int) -> dict[str, Any]:
+    """``result.json``'s numbers of the training, from the launch that trained this run to ``steps`` in this
+    directory: a launch resumed at the end only evaluates, and must not replace them with nothing (the same command
+    again, or a sweep run again to finish its other jobs). Empty where there is none (``resume=`` into a new
+    directory: they stay null)."""
+    try:
+        earlier = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(earlier, dict) or earlier.get("steps") != steps:
+        return {}
+    return {key: earlier[key] for key in TRAINING_ENTRIES if earlier.get(key) is not None}
+
+
 def _finish(job: Job, result: dict[str, Any], checkpoint: Checkpoint | None) -> dict[str, Any]:
     """Complete the loop's result; rank 0 writes it and the (averaged) model."""
     world, algo, run_dir = dist.get_world_size(), job.algo, job.run_dir
@@ -144,8 +161,10 @@ def _finish(job: Job, result: dict[str, Any], checkpoint: Checkpoint | None) -> 
     model = algo.full_state_dict()  # every rank: a sharded model is gathered
     if dist.get_rank() == 0:
         save_model(run_dir, model)
-        (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
-        trained = result["train_time_s"] < math.inf  # else resumed from the final checkpoint: evaluated only
+        trained = result["resumed_from_step"] < result["steps"]  # else resumed from the final checkpoint
+        if not trained:
+            result |= _trained_before(run_dir / RESULT_FILE, result["steps"])
+        (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
         speed = f"{result['throughput/samples_per_s']:.0f} samples/s" if trained else "nothing left to train"
         logger.info(f"done: eval/accuracy {result['eval/accuracy']:.4f}, {speed}")
     return result
