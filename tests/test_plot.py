@@ -161,6 +161,23 @@ def test_dir_without_runs_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixt
     assert not (tmp_path / "empty" / "plots").exists()
 
 
+@pytest.mark.parametrize("out", ["a_file/charts", None])  # None: the default, RUN/plots, taken by a file here
+def test_charts_that_cannot_be_written_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                    out: str | None) -> None:
+    """A run plotted where it cannot be written (read elsewhere, read-only): one line naming the place, nothing
+    drawn. As root (CI) a mode does not stop a write, so a file stands where the folder must go."""
+    write_run(tmp_path / "run", ["topology=ring", *COMMON], 1.0)
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "run" / "plots").write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "run"), *(["--out", str(tmp_path / out)] if out else [])])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert captured.out == "" and len(lines) == 1 and lines[0].startswith("decent-train-plot: error: "), lines
+    assert str(tmp_path / (out or "run/plots")) in lines[0] and "give --out DIR" in lines[0]
+
+
 def test_missing_dir_is_an_error_without_traceback(tmp_path: Path) -> None:
     missing = tmp_path / "no_such_sweep"
     done = subprocess.run([sys.executable, "-m", "decent_train.launcher.plot", str(missing)],

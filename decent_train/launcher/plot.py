@@ -14,6 +14,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -484,7 +485,16 @@ def main(argv: list[str] | None = None) -> None:
         _fail(f"{root}: no such directory (expected a run directory or a sweep directory of runs)")
     if not find_runs(root):
         _fail(f"{root}: no run found (expected {METRICS_FILE} in it or in a directory under it)")
-    plot_dir(root, args.out if args.out is not None else root / "plots")
+    out = args.out if args.out is not None else root / "plots"
+    try:  # before any chart is drawn: a run read elsewhere may be read-only (outputs.md: plotting after the fact)
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as error:
+        given = f"--out {out}" if args.out is not None else f"{out} (the default --out)"
+        _fail(f"{given}: cannot write the charts there ({error.strerror or error}); give --out DIR, a directory you "
+              "can write")
+    plot_dir(root, out)
 
 
 def _fail(message: str) -> NoReturn:
