@@ -48,7 +48,7 @@ COMMAND = Path(sys.executable).parent / "decent-train"
 
 # The configurations, in the table's order; each is recipes/local_steps/NAME.yaml.
 CONFIGS = ["ddp", "ring", "ring-int8", "diloco-h10-complete", "diloco-h50-complete", "diloco-h10-ring",
-           "diloco-h50-ring", "diloco-h10-ring-int8", "localsgd-h10-complete"]
+           "diloco-h50-ring", "diloco-h10-ring-int8", "localsgd-h10-complete", "localsgd-h10-ring"]
 # What every run adds to the recipe: no progress bar in the captured output, no wandb.
 COMMON = ["logger.progress_bar=false"]
 # --setting tokens: the second, shorter setting. Byte-level language modelling (vocabulary 256) of the Python standard

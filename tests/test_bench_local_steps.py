@@ -116,6 +116,7 @@ def test_every_configuration_is_a_recipe_option_and_the_sweep_runs_them_all(benc
     assert all((root / "recipes" / "local_steps" / f"{name}.yaml").is_file() for name in bench.CONFIGS)
     recipe = yaml.safe_load((root / "recipes" / "local_steps_study.yaml").read_text())
     assert recipe["hydra"]["sweeper"]["params"]["+local_steps"].split(",") == bench.CONFIGS
+    assert set(bench.CONFIGS) == {p.stem for p in (root / "recipes" / "local_steps").glob("*.yaml")}  # all of them
 
 
 @pytest.mark.slow
