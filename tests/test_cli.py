@@ -140,7 +140,10 @@ BAD_INPUTS = {
         "a live coordinator without a GPU": (["launch=gpu", "fault_tolerance=live", "fault_tolerance.role=coordinator",
                                               "launch.rdzv_endpoint=127.0.0.1:29397"],
                                              ["fault_tolerance.role=coordinator with launch.device=cuda",
-                                              "set launch.nproc_per_node"])}
+                                              "set launch.nproc_per_node"]),
+        # a login node checks a job for GPU nodes: it would check (and print the command of) one worker
+        "a GPU job dry run without a GPU": (["launch=gpu", "dry_run=true"],
+                                              ["dry_run=true with launch.device=cuda", "set launch.nproc_per_node"])}
        if not torch.cuda.is_available() else {}),
     "engine environment": ([], ["DECENT_TRAIN_COMPILED_INT8='yes'", "auto, always, never"]),
     "unresolvable rendezvous host": (  # .invalid never resolves (RFC 2606); torch's client would retry it for 60 s

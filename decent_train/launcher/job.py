@@ -185,6 +185,9 @@ def _check_and_launch(cfg: DictConfig, record: dict[str, str]) -> float | None:
         if coordinating and cfg.launch.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("fault_tolerance.role=coordinator with launch.device=cuda on a host without a GPU: set "
                              "launch.nproc_per_node to the workers per node (the agents' GPUs)")
+        if cfg.dry_run and cfg.launch.device == "cuda" and not torch.cuda.is_available():  # a login node's check
+            raise ValueError("dry_run=true with launch.device=cuda on a host without a GPU (one worker per GPU): set "
+                             "launch.nproc_per_node to the GPUs per node of the nodes that will run it")
         cfg.launch.nproc_per_node = max(1, torch.cuda.device_count())
     if not cfg.dry_run and not coordinating:  # a login node may check a job for GPU nodes
         check_devices(cfg.launch.device, cfg.launch.nproc_per_node, torch.cuda.is_available(), torch.cuda.device_count())
