@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -28,6 +29,7 @@ from decent_train.components.checks import (
     as_sweep_job,
     engine_check,
     refusing_ignored,
+    refuse_added_keys,
     refusing_unread,
     schema_default,
 )
@@ -578,7 +580,10 @@ def check_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:
     schema.algorithm = OmegaConf.structured(algorithm_traits(name).schema)  # its own options, typed
     merged = OmegaConf.merge(schema, cfg)
     with as_sweep_job() if merged.run.job_num is not None else contextlib.nullcontext():
+        refuse_added_keys(merged, {"algorithm": {f.name for traits in ALGORITHM_TRAITS.values()
+                                                 for f in dataclasses.fields(traits.schema)}})
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
 
 
 def load_config(path: str | Path) -> TrainConfig:

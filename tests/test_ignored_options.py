@@ -338,3 +338,19 @@ def test_a_period_equal_to_the_run_takes_its_outer_step_at_the_end(tmp_path: Pat
     outer = {r["step"]: r["outer/step"] for r in records(run_dir) if "outer/step" in r}
     assert outer == {1: 0, 2: 0, 3: 0, 4: 1}, outer
     assert json.loads((run_dir / "result.json").read_text())["steps"] == 4
+
+
+@pytest.mark.parametrize(("overrides", "line"), [
+    (["+foo=bar"], "foo is not a key; valid at the top level: algorithm, seed, steps"),
+    (["++optim.lrr=0.1"], "optim.lrr is not a key; valid in optim: name, lr, weight_decay"),
+    (["algorithm=diloco", "++algorithm.sync_evry=5"], "algorithm.sync_evry is not a key; valid in algorithm: name"),
+    (["algorithm=diloco", "++algorithm.sync_evry=5", "run.job_num=1"], "algorithm.sync_evry is not a key"),  # swept
+    (["++model.hidden_sizez=[8]", "run.job_num=1"], "model.hidden_sizez is not a key"),
+    (["algorithm=decentralized", "++algorithm.sync_every=5", "run.job_num=1"], None),  # another job's (diloco's)
+])
+def test_a_key_added_with_plus_that_no_schema_has_is_refused(overrides: list[str], line: str | None) -> None:
+    """Hydra adds ``+key=``/``++key=`` to the typed config whatever the key; before, the job dropped an unknown one
+    without a word (a misspelt ``++algorithm.sync_evry=5`` trained with sync_every=10). In a sweep's job an
+    algorithm's option may be another job's."""
+    got = check_like_the_cli(overrides)
+    assert (got is None) if line is None else (got is not None and got.startswith(line)), got

@@ -17,6 +17,9 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError
+
 _AS_WRITTEN = contextvars.ContextVar("as_written", default=False)
 _SWEEP_JOB = contextvars.ContextVar("sweep_job", default=False)
 
@@ -99,3 +102,24 @@ def as_override(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(as_override(v) for v in value) + "]"
     return str(value)
+
+
+def refuse_added_keys(node: DictConfig, sweep_keys: dict[str, set[str]]) -> None:
+    """Raise ``ConfigKeyError`` for a key that ``+key=`` or ``++key=`` added and no schema has: Hydra adds it to the
+    typed config, and the job would drop it without a word (a misspelt ``++algorithm.sync_evry=5``). In a sweep's job
+    (:func:`as_sweep_job`) a key of ``sweep_keys[node]`` is another job's (``-m algorithm=decentralized,diloco
+    ++algorithm.sync_every=5``: the algorithms' options)."""
+    schema = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(schema):
+        return  # a free-form dict
+    fields = {f.name for f in dataclasses.fields(schema)}
+    for key in node.keys():
+        value = node._get_node(key)
+        if key not in fields:
+            if not refusing_unread() and key in sweep_keys.get(node._get_full_key(None), set()):
+                continue
+            error = ConfigKeyError(f"Key '{key}' not in '{schema.__name__}'")
+            error.full_key, error.object_type, error.msg = value._get_full_key(None), schema, str(error)
+            raise error
+        if isinstance(value, DictConfig) and not value._is_missing() and not value._is_none():
+            refuse_added_keys(value, sweep_keys)
