@@ -209,6 +209,22 @@ def test_dry_run_prints_topology_and_command(tmp_path: Path) -> None:
     assert not (run_dir / "logs").exists() and not (run_dir / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize(("sweep", "refused"), [
+    (["steps=20,-1", "launch.nproc_per_node=2"], "job 1 of the sweep (steps=-1 launch.nproc_per_node=2 model=mlp"),
+    (["launch.nproc_per_node=2,3", "topology=one-peer-exp"], "job 1 of the sweep (launch.nproc_per_node=3 "),
+])
+def test_a_sweep_job_that_would_be_refused_stops_the_sweep_before_any_trains(tmp_path: Path, sweep: list[str],
+                                                                             refused: str) -> None:
+    """Hydra's launcher runs a sweep's jobs one after another; before, a value job k refuses was found only once
+    jobs 0..k-1 had trained (hours, in a real sweep). Job 0 checks every job first (launcher/sweep_check.py)."""
+    sweep_dir = tmp_path / "sweep"
+    proc = decent_train("-m", *sweep, "model=mlp", "logger=jsonl", f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and lines[-1].startswith(f"decent-train: error: {refused}"), proc.stderr
+    assert lines[-1].endswith("; no job has trained") and "Traceback" not in proc.stderr
+    assert not sweep_dir.exists()  # nothing of it is left: not even Hydra's multirun.yaml
+
+
 @pytest.mark.slow
 def test_a_sweep_over_algorithms_sets_their_options_with_plus_plus(tmp_path: Path) -> None:
     """``-m algorithm=diloco,localsgd ++algorithm.sync_every=5``: both jobs get the option (the plain override fails,

@@ -49,6 +49,7 @@ from decent_train.config import (
 from decent_train.launcher import help as help_module
 from decent_train.launcher import interrupt
 from decent_train.launcher.help import group_options, help_text
+from decent_train.launcher.sweep_check import SweepJobRefused, check_other_jobs
 from decent_train.launcher.launch import (
     Interrupted,
     RendezvousFailed,
@@ -145,6 +146,10 @@ def _drop_refused_run_dir(run_dir: Path) -> None:
         shutil.rmtree(run_dir / HYDRA_SUBDIR, ignore_errors=True)
         with contextlib.suppress(OSError):
             run_dir.rmdir()
+    hydra_cfg = HydraConfig.get()
+    sweep_dir = Path(hydra_cfg.sweep.dir) if hydra_cfg.mode == RunMode.MULTIRUN and hydra_cfg.job.num == 0 else None
+    if sweep_dir is not None and sweep_dir.is_dir() and {e.name for e in sweep_dir.iterdir()} <= {"multirun.yaml"}:
+        shutil.rmtree(sweep_dir, ignore_errors=True)  # the sweep's first job refused (all are checked there)
 
 
 HYDRA_SUBDIR = ".hydra"
@@ -180,6 +185,39 @@ def _check_and_launch(cfg: DictConfig, record: dict[str, str]) -> float | None:
     cfg.run.overrides = list(hydra_cfg.overrides.task)
     cfg.run.job_num = hydra_cfg.job.num if multirun else None
     cfg.run.sweep_dir = str(Path(hydra_cfg.sweep.dir).resolve()) if multirun else None
+    train_cfg = _checked(cfg)
+    if not multirun and not train_cfg.fault_tolerance.live:  # (live: the coordinator's directory is the run's)
+        _check_one_run_dir(train_cfg.launch, OmegaConf.to_container(hydra_cfg.run, resolve=False)["dir"])
+    if train_cfg.fault_tolerance.live and train_cfg.fault_tolerance.role == "agent":
+        _write_hydra_record(run_dir, record)
+        return _run_agent(train_cfg, run_dir)
+    preflight(train_cfg)
+    if multirun and _hydra_runs_the_sweep(hydra_cfg):
+        check_other_jobs(lambda job, num: preflight(_checked(job, num)))
+    _write_hydra_record(run_dir, record)
+    config_path = run_dir / RESOLVED_CONFIG
+    resolved = OmegaConf.structured(train_cfg)
+    resolved.dry_run = False  # what the workers run: the dry run's file too, so the command it prints trains this job
+    _write_whole(config_path, lambda partial: OmegaConf.save(resolved, partial))  # another node may read it
+
+    if train_cfg.dry_run:
+        _print_dry_run(train_cfg, config_path)
+        return None
+    # Several nodes share the run directory: each launcher's log is a file of its own (appends from several hosts to
+    # one file on NFS can overwrite each other), named after its host.
+    several = node_range(train_cfg.launch.nnodes)[1] > 1
+    sink = logger.add(run_dir / (f"launcher-{socket.gethostname()}.log" if several else "launcher.log"), level="DEBUG")
+    try:
+        return _train(train_cfg, run_dir, config_path)
+    finally:
+        logger.remove(sink)
+
+
+def _checked(cfg: DictConfig, sweep_job: int | None = None) -> TrainConfig:
+    """The job's config, checked as far as it goes without its run directory: what this launch checks of its own
+    job, and job 0 of a sweep of each other job (``sweep_job``: its number; sweep_check.py)."""
+    if sweep_job is not None:
+        cfg.run.job_num = sweep_job
     coordinating = cfg.fault_tolerance.get("role") == "coordinator"  # no worker here: each agent checks its node
     if cfg.launch.nproc_per_node is None:  # one worker per GPU
         if coordinating and cfg.launch.device == "cuda" and not torch.cuda.is_available():
@@ -198,29 +236,7 @@ def _check_and_launch(cfg: DictConfig, record: dict[str, str]) -> float | None:
         cfg.launch.rdzv_endpoint, cfg.launch.rdzv_id = slurm_rendezvous()
     train_cfg = check_config(cfg)
     check_rendezvous_endpoint(train_cfg.launch)
-    if not multirun and not train_cfg.fault_tolerance.live:  # (live: the coordinator's directory is the run's)
-        _check_one_run_dir(train_cfg.launch, OmegaConf.to_container(hydra_cfg.run, resolve=False)["dir"])
-    if train_cfg.fault_tolerance.live and train_cfg.fault_tolerance.role == "agent":
-        _write_hydra_record(run_dir, record)
-        return _run_agent(train_cfg, run_dir)
-    preflight(train_cfg)
-    _write_hydra_record(run_dir, record)
-    config_path = run_dir / RESOLVED_CONFIG
-    resolved = OmegaConf.structured(train_cfg)
-    resolved.dry_run = False  # what the workers run: the dry run's file too, so the command it prints trains this job
-    _write_whole(config_path, lambda partial: OmegaConf.save(resolved, partial))  # another node may read it
-
-    if train_cfg.dry_run:
-        _print_dry_run(train_cfg, config_path)
-        return None
-    # Several nodes share the run directory: each launcher's log is a file of its own (appends from several hosts to
-    # one file on NFS can overwrite each other), named after its host.
-    several = node_range(train_cfg.launch.nnodes)[1] > 1
-    sink = logger.add(run_dir / (f"launcher-{socket.gethostname()}.log" if several else "launcher.log"), level="DEBUG")
-    try:
-        return _train(train_cfg, run_dir, config_path)
-    finally:
-        logger.remove(sink)
+    return train_cfg
 
 
 def _check_one_run_dir(launch: LaunchConfig, written: str) -> None:
@@ -377,13 +393,17 @@ def _note_sweep() -> None:
     same settings: preflight.check_continuation): a stopped job from its newest checkpoint, a finished one from its
     final checkpoint (written whatever ``checkpoint.every``: only evaluated again), a job not begun from step 0."""
     hydra_cfg = HydraConfig.get()
-    if hydra_cfg.mode != RunMode.MULTIRUN or not COMMAND_LINE or not (
-            str(hydra_cfg.launcher.get("_target_")).endswith(".BasicLauncher")
-            and str(hydra_cfg.sweeper.get("_target_")).endswith(".BasicSweeper")):
+    if hydra_cfg.mode != RunMode.MULTIRUN or not COMMAND_LINE or not _hydra_runs_the_sweep(hydra_cfg):
         return
     words = [w for w in COMMAND_LINE if not w.lstrip("+").startswith("hydra.sweep.dir=")]
     sweep_dir = Path(hydra_cfg.sweep.dir).resolve()
     _sweep_go_on[:] = [format_command(["decent-train", *words, f"hydra.sweep.dir={sweep_dir}"])]
+
+
+def _hydra_runs_the_sweep(hydra_cfg: DictConfig) -> bool:
+    """Hydra's own sweeper (a grid) and launcher (its jobs one after another, in this process)."""
+    return (str(hydra_cfg.launcher.get("_target_")).endswith(".BasicLauncher")
+            and str(hydra_cfg.sweeper.get("_target_")).endswith(".BasicSweeper"))
 
 
 def _go_on_with_the_sweep() -> str:
@@ -432,6 +452,9 @@ def describe_error(error: BaseException) -> str | None:
     if (isinstance(error, (ValueError, WorkerFailure, JobFailed, RendezvousFailed))
             and not isinstance(error, OmegaConfBaseException)):
         return str(error)
+    if isinstance(error, SweepJobRefused):
+        message = describe_error(error.cause)
+        return None if message is None else f"{error}: {message}; no job has trained"
     if isinstance(error, OSError) and _raised_by_hydra_output(error):
         return unwritable_run_dir(error)
     if isinstance(error, OverrideParseException):
