@@ -256,6 +256,8 @@ class DiLoCo:
         build the front, then load the model, the inner optimizer and this. Every worker calls it at the same step."""
         in_flight = self._in_flight
         mixed = None if in_flight is None else [m.clone() for m in self.exchange.finish(in_flight)]
+        sent = None if in_flight is None or in_flight.sent is None else [
+            [t.clone() for t in group] for group in in_flight.sent]  # Gossip: x^s, its outer step's correction's
         self.host_state_ready()
         return {
             "inner_steps": self.inner_steps,
@@ -265,6 +267,7 @@ class DiLoCo:
             "outer": self.outer.state_dict() if self.outer is not None else None,
             "copies": [g.copies_state() for g in self.groups],
             "in_flight": mixed,
+            "in_flight_sent": sent,
         }
 
     @torch.no_grad()
@@ -299,9 +302,10 @@ class DiLoCo:
         self._in_flight = None
         if self._exchange_due():
             fragment = self._next_fragment()
-            mixed = state.get("in_flight")
+            mixed, sent = state.get("in_flight"), state.get("in_flight_sent")
             self._in_flight = (self._start(fragment) if mixed is None
-                               else InFlight(fragment, fragment.syncs, [], [], mixed=[m.clone() for m in mixed]))
+                               else InFlight(fragment, fragment.syncs, [], [], mixed=[m.clone() for m in mixed],
+                                             sent=None if sent is None else [[t.clone() for t in g] for g in sent]))
 
     def prepare_membership_change(self) -> None:
         """Live membership, between inner steps: nothing may be in flight (``fragment_sync_delay`` = 0, which the
@@ -410,7 +414,7 @@ class DiLoCo:
         for group in fragment.groups:
             group.follow_params()  # (the model's storage may have moved since the exchange started)
         mixed = self.exchange.finish(exchange)
-        for part in self._parts(fragment, mixed):
+        for part in self._parts(fragment, mixed, exchange.sent):
             params = [p for run in part for p in run.params]
             local = [p.clone() for p in params] if self.alpha else None
             self._apply(part)
@@ -421,7 +425,8 @@ class DiLoCo:
         fragment.syncs += 1
         self.outer_steps += 1
 
-    def _parts(self, fragment: Fragment, mixed: list[Tensor]) -> list[list[ParameterRun]]:
+    def _parts(self, fragment: Fragment, mixed: list[Tensor],
+               sent: list[list[Tensor]] | None = None) -> list[list[ParameterRun]]:
         """The fragment's parameters in the parts its outer step takes in turn: all at once; offload: parts of about
         1 / ``OUTER_STEP_PARTS`` of the fragment's bytes (at least one tensor each), so that the outer optimizer's
         state and the step's temporaries on the device are that part's, not the fragment's. Per-parameter optimizers
@@ -431,17 +436,19 @@ class DiLoCo:
             budget = -(-budget // OUTER_STEP_PARTS)
         parts: list[list[ParameterRun]] = [[]]
         size = 0
-        for group, value in zip(fragment.groups, mixed):
+        for k, (group, value) in enumerate(zip(fragment.groups, mixed)):
             first, second = group.views(value)
+            was = sent[k] if sent is not None else []
             start = 0
             for i, param in enumerate(group.params):
                 if size and size + param.nbytes > budget:
                     if i > start:
-                        parts[-1].append(ParameterRun(group, slice(start, i), first[start:i], second[start:i]))
+                        parts[-1].append(ParameterRun(group, slice(start, i), first[start:i], second[start:i],
+                                                      was[start:i]))
                     parts.append([])
                     size, start = 0, i
                 size += param.nbytes
-            parts[-1].append(ParameterRun(group, slice(start, None), first[start:], second[start:]))
+            parts[-1].append(ParameterRun(group, slice(start, None), first[start:], second[start:], was[start:]))
         return parts
 
     def _apply(self, part: list[ParameterRun]) -> None:

@@ -38,8 +38,9 @@ class LocalSGDConfig(AlgorithmConfig):
     name: str = "localsgd"
     sync_every: int = 10  # inner steps per outer step (H)
     fragments: int = 1  # parts of the model synced at staggered steps (Streaming DiLoCo); 1: all at once
-    # Inner steps between a fragment's exchange and its update. What those steps do to the fragment is replaced by
-    # the outer step's result (DiLoCo: unless fragment_update_alpha > 0 keeps a share of it).
+    # Inner steps between a fragment's exchange and its update. What those steps (and a script's own changes in
+    # them) do to the fragment is replaced by the outer step's result (DiLoCo: unless fragment_update_alpha > 0
+    # keeps a share of it): Streaming DiLoCo's design, docs/engine.md.
     fragment_sync_delay: int = 0
     # The outer state in pinned host memory between outer steps; null: when training on CUDA; false: on the device.
     # (The outer state: anchors, outer momentum, compressed public copies; the device holds the fragment in flight's
@@ -173,7 +174,7 @@ class FrontAlgorithm(Algorithm):
         momentum are linear in them, so the workers continue as from one outer step of ``complete`` (under which
         they are equal already); the inner optimizer's moments are averaged as the other algorithms average theirs.
         """
-        return {**state, "front": {**state["front"], "in_flight": None, "copies": None}}
+        return {**state, "front": {**state["front"], "in_flight": None, "in_flight_sent": None, "copies": None}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.inner.load_state_dict(state["inner"])

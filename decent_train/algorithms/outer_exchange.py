@@ -18,7 +18,7 @@ residual, so the payload is ``x+anchor`` on every topology.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -98,6 +98,11 @@ class OuterGroup:
             self.anchors = store.to_host([p.detach() for p in params]) if payload != "x" else []
         self.home_copies: dict[Any, Any] = {}  # offload: the public copies in host memory, by group
         self.pinned: list[Tensor] = []  # views of what the exchange in flight posted (OuterExchange._post)
+        # Gossip (``keep_sent``): its outer step adds W x^s − x^s, so x^s, what the exchange sent, is read back then:
+        # from ``flat`` where no stage writes it (:meth:`fill`), else from ``sent``, a copy made as it starts.
+        self.keep_sent = False
+        self.sent: Tensor | None = None
+        self._sent_in_flat = False
 
     def follow_params(self) -> None:
         """Capture the parameters' local shards again if their storage moved (audit R9): FSDP2 keeps a DTensor's
@@ -240,6 +245,7 @@ class OuterGroup:
 
     def _drop_device_buffers(self) -> None:
         self.flat = self.flat.new_empty(0)
+        self.sent = None  # (an exchange's ``InFlight.sent`` holds its own views until its outer step)
         self.buffers.flat = self.buffers.comm = self.flat
         self.buffers.staged = self.buffers.group_received = None
         compressed = self.buffers.compressed
@@ -254,7 +260,7 @@ class OuterGroup:
         at_home = self.store is not None
         buffers, compressed = self.buffers, self.buffers.compressed
         held = [(a, at_home) for a in self.anchors]
-        held += [(t, False) for t in (buffers.flat, buffers.comm, buffers.staged, buffers.group_received)
+        held += [(t, False) for t in (buffers.flat, buffers.comm, buffers.staged, buffers.group_received, self.sent)
                  if t is not None]
         if compressed is not None:
             held += [(t, False) for t in (compressed.scratch, compressed.outgoing, *compressed.incoming)
@@ -288,8 +294,11 @@ class OuterGroup:
         compressed.load(state)
 
     @torch.no_grad()
-    def fill(self) -> None:
-        """The payload from the parameters (and anchors) now."""
+    def fill(self, flat_kept: bool = False) -> None:
+        """The payload from the parameters (and anchors) now. ``keep_sent`` (Gossip's payload ``x``): what was sent
+        stays readable (:meth:`sent_views`) until the outer step: in ``flat`` itself where ``flat_kept`` (nothing
+        writes it before then: :meth:`OuterExchange.start`), else in a copy, a payload more only on the topologies
+        and compressions that overwrite ``flat``."""
         first, second = self.views(self.flat)
         params = [p.detach() for p in self.params]
         if self.payload == "delta":
@@ -299,6 +308,19 @@ class OuterGroup:
         torch._foreach_copy_(first, params)
         if second:
             self.anchors_into(second)
+        if self.keep_sent:
+            self._sent_in_flat = flat_kept
+            if not flat_kept:
+                if self.sent is None:
+                    self.sent = torch.empty(self.numel, dtype=self.flat.dtype, device=self.flat.device)
+                torch._foreach_copy_(self.sent_views(), params)
+
+    def sent_views(self) -> list[Tensor]:
+        """What the last :meth:`fill` sent of the parameters (``keep_sent``), shaped like them."""
+        if self._sent_in_flat:
+            return self.views(self.flat)[0]
+        assert self.sent is not None, "keep_sent: nothing was sent yet"
+        return self.views(self.sent)[0]
 
     def anchors_into(self, targets: list[Tensor], which: slice = slice(None)) -> None:
         """``targets`` (device tensors) <- the anchors ``which`` (offload: straight from host memory)."""
@@ -344,6 +366,7 @@ class ParameterRun:
     which: slice
     first: list[Tensor]
     second: list[Tensor]
+    sent: list[Tensor] = field(default_factory=list)  # Gossip: what the exchange sent of these parameters (x^s)
 
     @property
     def params(self) -> list[Tensor]:
@@ -366,13 +389,15 @@ class Fragment:
 @dataclass
 class InFlight:
     """A fragment's exchange that started: the value of each group after the stages run so far and the works of the
-    stage in flight; or, ``mixed``, the finished result (from a checkpoint, or waited for)."""
+    stage in flight; or, ``mixed``, the finished result (from a checkpoint, or waited for). ``sent``: per group, what
+    it sent of the parameters (x^s), where the outer step reads it back (Gossip's ``keep_sent``; else None)."""
 
     fragment: Fragment
     round: int
     values: list[Tensor]
     works: list[list[Any]]
     mixed: list[Tensor] | None = None
+    sent: list[list[Tensor]] | None = None
 
 
 def split_parameters(
@@ -449,14 +474,20 @@ class OuterExchange:
         for group in fragment.groups:
             group.follow_params()
             group.acquire([CompressedGossip.key(edge) for edge in stages if edge.size > 1])  # offload: on the device
-            group.fill()
+            # ``flat`` keeps what was sent where the round is one stage whose result goes to ``comm`` (``_into``) or
+            # is ``flat`` untouched (a worker alone); not where an earlier stage's result, a reduction in place or a
+            # compressed mix is written into it
+            alone = len(stages) == 1 and stages[0].size == 1
+            one = len(stages) == 1 and not group.reduce_in_place and group.buffers.compressed is None
+            group.fill(flat_kept=alone or one)
             group.pinned = []  # the previous exchange's works were waited on (and let go of) long ago
             value = group.flat
             for edge in stages[:overlapped]:
                 value = self._stage(group, edge, value, round_, last=False)
             works.append(self._post(group, stages[overlapped], value))
             values.append(value)
-        return InFlight(fragment, round_, values, works)
+        sent = [g.sent_views() for g in fragment.groups] if all(g.keep_sent for g in fragment.groups) else None
+        return InFlight(fragment, round_, values, works, sent=sent)
 
     def finish(self, exchange: InFlight) -> list[Tensor]:
         """Each group's mixed payload (views of the exchange buffers: read them before the fragment's next start)."""
