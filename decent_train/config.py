@@ -308,6 +308,10 @@ class TrainConfig:
         steps)."""
         if not traits.gossips and refusing_unread():
             self._check_no_topology()
+        if self.global_batch_size is not None and self.batch_size != schema_default(TrainConfig, "batch_size") \
+                and refusing_unread():  # (in a sweep, another job's)
+            raise ValueError(f"batch_size={self.batch_size} with global_batch_size={self.global_batch_size}: the "
+                             "global batch sets each worker's; give one of them (global_batch_size=null: batch_size)")
         if self.steps:
             self.algorithm.check_run(self.steps)
         self.scheduler.check_run(self.steps, self.epochs)

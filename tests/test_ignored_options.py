@@ -37,6 +37,8 @@ from .test_load_model import _write_run
 
 CIFAR = "CIFAR_DIR"  # stands for a directory with CIFAR-10's files (``with_data``)
 REFUSED = {  # overrides -> what the one line must hold
+    "a batch size beside the global batch": (["global_batch_size=128", "batch_size=16"], [
+        "batch_size=16 with global_batch_size=128", "give one of them"]),
     "allreduce with a topology": (["algorithm=allreduce", "topology=one-peer-exp"], [
         "topology=one-peer-exp with algorithm=allreduce", "does not gossip", "leave topology=ring"]),
     "allreduce with a topology layout": (["algorithm=allreduce", "topology.local_world_size=2"], [
