@@ -57,14 +57,26 @@ __all__ = ["DiLoCo", "LocalSGD", "check_local_steps_arguments"]
 OUTER_STEP_PARTS = 4  # offload: an outer step brings the optimizer's state in this many parts of its fragment
 
 
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _shown(value: Any) -> str:
+    """``value``'s repr where it is one short line, else its type (an optimizer's repr is a dozen lines)."""
+    text = repr(value)
+    return text if "\n" not in text and len(text) <= 60 else f"<{type(value).__name__}>"
+
+
 def check_local_steps_arguments(sync_every: Any, fragments: Any, fragment_sync_delay: Any,
                                 fragment_update_alpha: Any) -> None:
     """One line naming the bad value and what is valid (the launcher's config runs the same checks)."""
-    def whole(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
-
+    whole = _whole
     if not whole(sync_every) or sync_every < 1:
-        raise ValueError(f"sync_every={sync_every!r}: must be a positive integer (inner steps per outer step)")
+        raise ValueError(f"sync_every={_shown(sync_every)}: must be a positive integer (inner steps per outer step)")
     if not whole(fragments) or fragments < 1:
         raise ValueError(f"fragments={fragments!r}: must be a positive integer (parts of the model synced in turn)")
     if sync_every % fragments:
@@ -74,9 +86,41 @@ def check_local_steps_arguments(sync_every: Any, fragments: Any, fragment_sync_d
     if not whole(fragment_sync_delay) or not 0 <= fragment_sync_delay < period:
         raise ValueError(f"fragment_sync_delay={fragment_sync_delay!r}: must be an integer in [0, {period}) "
                          f"(sync_every / fragments = {period} inner steps between syncs)")
-    if not 0.0 <= fragment_update_alpha <= 1.0:
-        raise ValueError(f"fragment_update_alpha={fragment_update_alpha!r}: must be in [0, 1] (the weight of the "
-                         "local parameters against the outer step's result)")
+    if not _number(fragment_update_alpha) or not 0.0 <= fragment_update_alpha <= 1.0:
+        raise ValueError(f"fragment_update_alpha={_shown(fragment_update_alpha)}: must be in [0, 1], a number "
+                         "(the weight of the local parameters against the outer step's result)")
+
+
+def check_front_arguments(model: Any, inner: Any, outer: Any, fragments: Any, compression: Any,
+                          local_world_size: Any, timeout: Any, mesh: Any) -> None:
+    """The fronts' other arguments, each refused in one line naming it, its value and what is valid (audit D6),
+    before a TypeError or AttributeError deep in the construction, or nothing: ``timeout=0`` would fail every
+    exchange at once, ``local_world_size=0`` was read as unset, an outer optimizer that is the inner one steps the
+    parameters twice over."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model={_shown(model)}: must be a torch.nn.Module")
+    if not isinstance(inner, Optimizer):
+        raise TypeError(f"inner={_shown(inner)}: must be a torch.optim.Optimizer over the model's parameters")
+    if outer is not None and not isinstance(outer, Optimizer):
+        raise TypeError(f"outer={_shown(outer)}: must be a torch.optim.Optimizer over the model's parameters")
+    if outer is inner:
+        raise ValueError("outer is the inner optimizer: DiLoCo's outer optimizer is a second one over the model's "
+                         "parameters, e.g. torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)")
+    if isinstance(fragments, list) and not fragments:
+        raise ValueError("fragments=[]: a list of modules needs one at least (or give a number of fragments >= 1)")
+    if not _whole(fragments) and not isinstance(fragments, list):
+        raise TypeError(f"fragments={_shown(fragments)}: must be a positive integer or a list of modules")
+    codec = ("padded_numel", "message_bytes", "encode_", "decode")
+    if compression is not None and not isinstance(compression, str) and not all(hasattr(compression, a) for a in codec):
+        raise TypeError(f"compression={_shown(compression)}: valid are None, 'none', 'bf16', 'int8' or a compressor "
+                        "object (engine/compress.py, Compressor)")
+    if local_world_size is not None and (not _whole(local_world_size) or local_world_size < 1):
+        raise ValueError(f"local_world_size={_shown(local_world_size)}: must be a positive integer (workers per "
+                         "node) or None (the LOCAL_WORLD_SIZE torchrun sets)")
+    if timeout is not None and (not _number(timeout) or timeout <= 0):
+        raise ValueError(f"timeout={_shown(timeout)}: must be a number of seconds > 0, or None (no limit)")
+    if mesh is not None and not all(hasattr(mesh, a) for a in ("ndim", "mesh", "get_group")):
+        raise TypeError(f"mesh={_shown(mesh)}: must be a 2-D DeviceMesh (replicate, shard) or None")
 
 
 def replicas_of(mesh: DeviceMesh | None) -> tuple[int, Any]:
@@ -134,6 +178,7 @@ class DiLoCo:
         fault_tolerant: bool = False,
         from_rank0: bool = True,
     ):
+        check_front_arguments(model, inner, outer, fragments, compression, local_world_size, timeout, mesh)
         count = fragments if isinstance(fragments, int) else len(fragments)
         check_engine_arguments(message_size_in_mb=message_size_in_mb)
         check_local_steps_arguments(sync_every, count, fragment_sync_delay, fragment_update_alpha)
@@ -145,6 +190,10 @@ class DiLoCo:
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError(f"{type(self).__name__}: the model has no trainable parameters")
+        stepped = {id(p) for group in inner.param_groups for p in group["params"]}
+        if not any(id(p) in stepped for _, p in named):
+            raise ValueError(f"the inner optimizer holds none of the model's trainable parameters (such as "
+                             f"{named[0][0]}): build it over model.parameters()")
         if outer is not None:
             owned = {id(p) for group in outer.param_groups for p in group["params"]}
             missing = [name for name, p in named if id(p) not in owned]
@@ -507,6 +556,9 @@ class LocalSGD(DiLoCo):
 
     def __init__(self, model: nn.Module, optimizer: Optimizer, sync_every: int, topology: TopologySpec = "complete",
                  **kwargs: Any):
+        if isinstance(sync_every, Optimizer) or isinstance(topology, Optimizer):  # DiLoCo's order, outer included
+            raise TypeError("LocalSGD takes no outer optimizer: LocalSGD(model, optimizer, sync_every, topology); "
+                            "got an optimizer where sync_every or topology goes")
         super().__init__(model, optimizer, None, sync_every, topology, **kwargs)
 
     def _apply(self, part: list[ParameterRun]) -> None:

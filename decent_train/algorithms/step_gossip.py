@@ -53,6 +53,11 @@ class Gossip(LocalSGD):
     replica 0's)."""
 
     def __init__(self, model: nn.Module, optimizer: Optimizer, topology: TopologySpec = "ring", **kwargs: Any):
+        scheduled = [k for k in ("sync_every", "fragments", "fragment_sync_delay", "fragment_update_alpha")
+                     if k in kwargs]
+        if scheduled:  # (else "got multiple values for argument 'sync_every'", or a message about sync_every=1)
+            raise TypeError(f"Gossip mixes at every optimizer step, whole: {scheduled[0]}={kwargs[scheduled[0]]!r} "
+                            "does not apply (LocalSGD and DiLoCo take it)")
         super().__init__(model, optimizer, 1, topology, **kwargs)
         self._pre_handle: Any = None
         for group in self.groups:
