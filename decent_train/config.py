@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -485,14 +484,17 @@ class TrainConfig:
         return ({self.topology.name} | {p.mode(self.topology.name) for p in self.phases}) - {ALLREDUCE}
 
     def check_phases_fit(self, total_steps: int, run: str) -> None:
-        """The last phase must start before the run ends (with ``epochs`` the step count is known only in the
-        worker, which calls this again); ``run`` says how the run's length was given."""
+        """The last phase must start before the run ends, and runs to its end (with ``epochs`` the step count is known
+        only in the worker, which calls this again); ``run`` says how the run's length was given."""
         before_last = self.phase_starts()[-1][0]
         if self.phases and before_last >= total_steps:
             raise ValueError(
                 f"phases before the last take {before_last} steps, but the run has {run}: the last phase would "
                 "never run"
             )
+        if self.phases and self.phases[-1].steps not in (None, total_steps - before_last):
+            raise ValueError(f"phases[{len(self.phases) - 1}].steps={self.phases[-1].steps}: the last phase runs until "
+                             f"the end, {total_steps - before_last} steps with {run}; give it steps: null")
 
     def phase_starts(self) -> list[tuple[int, str]]:
         """(steps taken before it, engine mode) of each phase: [(0, topology or "allreduce"), ...]."""
@@ -584,8 +586,7 @@ def check_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:
     schema.algorithm = OmegaConf.structured(algorithm_traits(name).schema)  # its own options, typed
     merged = OmegaConf.merge(schema, cfg)
     with as_sweep_job() if merged.run.job_num is not None else contextlib.nullcontext():
-        refuse_added_keys(merged, {"algorithm": {f.name for traits in ALGORITHM_TRAITS.values()
-                                                 for f in dataclasses.fields(traits.schema)}})
+        refuse_added_keys(merged, {"algorithm": [traits.schema for traits in ALGORITHM_TRAITS.values()]})
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
 
 

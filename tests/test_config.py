@@ -120,6 +120,8 @@ def test_every_option_composes_and_checks(group: str, option: str, data_dirs: di
         ({"phases": [{"algorithm": "allreduce"}, {"topology": "ring"}]}, "phases[0].steps is null"),
         ({"phases": [{"algorithm": "allreduce", "steps": 0}, {}]}, "phases[0].steps=0 must be >= 1"),
         ({"steps": 10, "phases": [{"algorithm": "allreduce", "steps": 10}, {}]}, "take 10 steps, but the run has steps=10"),
+        ({"steps": 100, "phases": [{"algorithm": "allreduce", "steps": 20}, {"steps": 10}]},  # silently ran 80 before
+         "phases[1].steps=10: the last phase runs until the end, 80 steps with steps=100; give it steps: null"),
         ({"algorithm": "allreduce", "phases": [{"algorithm": "allreduce"}]}, "leave algorithm=decentralized"),
         ({"launch": {"nproc_per_node": 3}, "phases": [{"steps": 5}, {"topology": "one-peer-exp"}]},
          "topology=one-peer-exp with 3 workers"),

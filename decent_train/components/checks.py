@@ -104,11 +104,11 @@ def as_override(value: Any) -> str:
     return str(value)
 
 
-def refuse_added_keys(node: DictConfig, sweep_keys: dict[str, set[str]]) -> None:
+def refuse_added_keys(node: DictConfig, sweep_schemas: dict[str, list[type]]) -> None:
     """Raise ``ConfigKeyError`` for a key that ``+key=`` or ``++key=`` added and no schema has: Hydra adds it to the
     typed config, and the job would drop it without a word (a misspelt ``++algorithm.sync_evry=5``). In a sweep's job
-    (:func:`as_sweep_job`) a key of ``sweep_keys[node]`` is another job's (``-m algorithm=decentralized,diloco
-    ++algorithm.sync_every=5``: the algorithms' options)."""
+    (:func:`as_sweep_job`) a field of one of ``sweep_schemas[node]`` is another job's (``-m
+    algorithm=decentralized,diloco ++algorithm.sync_every=5``: the algorithms' options)."""
     schema = OmegaConf.get_type(node)
     if not dataclasses.is_dataclass(schema):
         return  # a free-form dict
@@ -116,10 +116,11 @@ def refuse_added_keys(node: DictConfig, sweep_keys: dict[str, set[str]]) -> None
     for key in node.keys():
         value = node._get_node(key)
         if key not in fields:
-            if not refusing_unread() and key in sweep_keys.get(node._get_full_key(None), set()):
+            others = sweep_schemas.get(node._get_full_key(None), [])
+            if not refusing_unread() and any(key in {f.name for f in dataclasses.fields(s)} for s in others):
                 continue
             error = ConfigKeyError(f"Key '{key}' not in '{schema.__name__}'")
             error.full_key, error.object_type, error.msg = value._get_full_key(None), schema, str(error)
             raise error
         if isinstance(value, DictConfig) and not value._is_missing() and not value._is_none():
-            refuse_added_keys(value, sweep_keys)
+            refuse_added_keys(value, sweep_schemas)
