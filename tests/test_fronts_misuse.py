@@ -75,3 +75,64 @@ def test_good_arguments_still_build() -> None:
            fragments=[model[0], model[2]])
     LocalSGD(model, inner, 2, "ring", timeout=0.5)
     Gossip(model, inner, "ring", compression="bf16")
+
+
+# -- settings that differ between workers (audit D5) ----------------------------------------------------------
+
+def _build_differing(rank: int, world_size: int, case: str) -> str | None:
+    """Rank 1 builds its front with another setting than rank 0's; the error each rank gets (None: built)."""
+    model = _model()
+    inner, outer = _sgd(model.parameters()), _sgd(model.parameters())
+    fronts = {
+        "sync_every": lambda: DiLoCo(model, inner, outer, 2 + rank),
+        "algorithm": lambda: DiLoCo(model, inner, outer, 2) if rank == 0 else LocalSGD(model, inner, 2),
+        "topology": lambda: LocalSGD(model, inner, 2, "ring" if rank == 0 else "complete"),
+        "compression": lambda: Gossip(model, inner, compression="int8" if rank == 0 else None),
+        "fragment_sync_delay": lambda: DiLoCo(model, inner, outer, 4, fragments=2, fragment_sync_delay=rank),
+    }
+    try:
+        fronts[case]()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+DIFFERING = {
+    "sync_every": "sync_every=2 on rank 0 but sync_every=3 on rank 1",
+    "algorithm": "algorithm='DiLoCo' on rank 0 but algorithm='LocalSGD' on rank 1",
+    "topology": "topology='ring' on rank 0 but topology='complete' on rank 1",
+    "compression": "compression='int8' on rank 0 but compression=None on rank 1",
+    "fragment_sync_delay": "fragment_sync_delay=0 on rank 0 but fragment_sync_delay=1 on rank 1",
+}
+
+
+@pytest.mark.parametrize("case", list(DIFFERING))
+def test_settings_that_differ_between_workers_are_refused_on_every_rank(case: str) -> None:
+    """2 workers whose fronts differ in one setting: both ranks refuse at construction with the same line naming the
+    setting and both values (before: DiLoCo beside LocalSGD was accepted silently; sync_every 2 beside 3 ran
+    misaligned and then timed out blaming a peer)."""
+    from tests.distributed import run_workers
+
+    errors = run_workers(_build_differing, 2, case)
+    assert errors[0] == errors[1] and errors[0] is not None, errors
+    assert errors[0].startswith(DIFFERING[case]) and "\n" not in errors[0], errors[0]
+
+
+def test_equal_settings_build_on_every_rank() -> None:
+    """The check refuses only differences: the same settings on both ranks build (the workers' models differ in their
+    values, which construction replaces by rank 0's, not in their settings)."""
+    from tests.distributed import run_workers
+
+    assert run_workers(_build_same, 2) == [None, None]
+
+
+def _build_same(rank: int, world_size: int) -> str | None:
+    torch.manual_seed(rank)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    inner, outer = _sgd(model.parameters()), _sgd(model.parameters())
+    try:
+        DiLoCo(model, inner, outer, 4, "ring", fragments=2, fragment_sync_delay=1, compression="int8")
+        Gossip(model, inner, "ring", compression="bf16")
+    except ValueError as error:
+        return str(error)
+    return None

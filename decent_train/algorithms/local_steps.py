@@ -123,6 +123,14 @@ def check_front_arguments(model: Any, inner: Any, outer: Any, fragments: Any, co
         raise TypeError(f"mesh={_shown(mesh)}: must be a 2-D DeviceMesh (replicate, shard) or None")
 
 
+def _named(thing: Any) -> str | None:
+    """A setting's name to compare between ranks: a string itself, else its ``name`` or class."""
+    if thing is None or isinstance(thing, str):
+        return thing
+    name = getattr(thing, "name", None)
+    return name if isinstance(name, str) else (thing.__name__ if isinstance(thing, type) else type(thing).__name__)
+
+
 def replicas_of(mesh: DeviceMesh | None) -> tuple[int, Any]:
     """(ranks per replica, this rank's replicate group) of a 2-D mesh (replicate, shard) that FSDP2 shards a model
     over with ``fully_shard(..., mesh=mesh["shard"])``; (1, None) without a mesh. Its replicas must be consecutive
@@ -185,22 +193,7 @@ class DiLoCo:
         check_consensus_step(consensus_step)
         check_offload(offload)
         compressor = make_compressor(compression, int8_block)
-        if outer is None and self.anchored:
-            raise ValueError("DiLoCo needs an outer optimizer over the model's parameters (LocalSGD has none)")
-        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError(f"{type(self).__name__}: the model has no trainable parameters")
-        stepped = {id(p) for group in inner.param_groups for p in group["params"]}
-        if not any(id(p) in stepped for _, p in named):
-            raise ValueError(f"the inner optimizer holds none of the model's trainable parameters (such as "
-                             f"{named[0][0]}): build it over model.parameters()")
-        if outer is not None:
-            owned = {id(p) for group in outer.param_groups for p in group["params"]}
-            missing = [name for name, p in named if id(p) not in owned]
-            if missing:
-                raise ValueError(
-                    f"the outer optimizer must be built over the model's parameters; it lacks {missing[0]}"
-                )
+        named = self._trainable(model, inner, outer)
         shard, replicate_group = replicas_of(mesh)
         parts = split_parameters(named, fragments)
         self.model, self.inner, self.outer, self.sync_every = model, inner, outer, sync_every
@@ -209,7 +202,12 @@ class DiLoCo:
                                   point_to_point=fault_tolerant, shard=shard, replicate_group=replicate_group)
         if from_rank0:  # a joiner (live membership) builds alone and loads its donor's state
             state = [(n, local_part(t)) for n, t in [*model.named_parameters(), *model.named_buffers()]]
-            self.members.check_same_model(state)
+            self.members.check_same_model(state, {
+                "algorithm": type(self).__name__, "sync_every": sync_every, "fragments": count,
+                "fragment_sync_delay": fragment_sync_delay, "fragment_update_alpha": fragment_update_alpha,
+                "topology": _named(topology), "compression": _named(compressor),
+                "int8_block": int8_block if compressor is not None else None, "consensus_step": consensus_step,
+                "message_size_in_mb": message_size_in_mb, "fault_tolerant": fault_tolerant, "outer": _named(outer)})
             self.members.broadcast_from_rank0([t.detach() for _, t in state])  # rank 0's (sharded: replica 0's)
         device = next((p.device for _, p in named if p.device.type == "cuda"), torch.device("cpu"))
         self.members.create_exchange_group(device)
@@ -246,6 +244,25 @@ class DiLoCo:
         self.outer_steps = 0  # outer steps taken, of all fragments
         self._in_flight: InFlight | None = None
         self._handle: Any = None
+
+    def _trainable(self, model: nn.Module, inner: Optimizer, outer: Optimizer | None) -> list[tuple[str, Tensor]]:
+        """The model's trainable parameters, by name, which the inner optimizer must hold some of (it steps them) and
+        DiLoCo's outer optimizer all of (it applies their pseudo-gradients)."""
+        if outer is None and self.anchored:
+            raise ValueError("DiLoCo needs an outer optimizer over the model's parameters (LocalSGD has none)")
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError(f"{type(self).__name__}: the model has no trainable parameters")
+        stepped = {id(p) for group in inner.param_groups for p in group["params"]}
+        if not any(id(p) in stepped for _, p in named):
+            raise ValueError(f"the inner optimizer holds none of the model's trainable parameters (such as "
+                             f"{named[0][0]}): build it over model.parameters()")
+        if outer is not None:
+            owned = {id(p) for group in outer.param_groups for p in group["params"]}
+            missing = [name for name, p in named if id(p) not in owned]
+            if missing:
+                raise ValueError(f"the outer optimizer must be built over the model's parameters; it lacks {missing[0]}")
+        return named
 
     def _my_groups(self) -> list[Edge]:
         """This worker's groups of two or more over the topology's period (each keeps its compressed copies)."""

@@ -151,9 +151,21 @@ class Membership:
         self._topologies[key] = topology
         return topology
 
-    def check_same_model(self, tensors: list[tuple[str, Tensor]]) -> None:
+    def check_same_model(self, tensors: list[tuple[str, Tensor]], settings: dict[str, Any] | None = None) -> None:
         """Every member holds tensors of the same names, shapes and dtypes as rank 0 (sharded: as the rank of replica 0
-        holding the same shard)."""
+        holding the same shard), and, given ``settings`` (a front's: its algorithm, schedule, topology, compression),
+        the same settings as every other rank: gathered from all, so every rank refuses a difference alike, in one
+        line naming the setting and both values, where otherwise the ranks would exchange at different steps or with
+        different payloads and time out blaming a peer (audit D5)."""
+        if settings is not None and self.world_size > 1:
+            everyone: list[Any] = [None] * self.world_size
+            dist.all_gather_object(everyone, settings)
+            for rank, theirs in enumerate(everyone):
+                for key in settings:
+                    if theirs.get(key) != everyone[0].get(key):
+                        raise ValueError(
+                            f"{key}={everyone[0].get(key)!r} on rank 0 but {key}={theirs.get(key)!r} on rank {rank}: "
+                            "every worker must build the front with the same settings")
         if self.replicas == 1:
             return
         mine = [(n, tuple(t.shape), str(t.dtype)) for n, t in tensors]
