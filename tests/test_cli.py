@@ -225,6 +225,26 @@ def test_a_sweep_job_that_would_be_refused_stops_the_sweep_before_any_trains(tmp
     assert not sweep_dir.exists()  # nothing of it is left: not even Hydra's multirun.yaml
 
 
+def test_refused_commands_leave_no_folders_named_from_the_clock(tmp_path: Path) -> None:
+    """Hydra makes outputs/DATE/TIME (a sweep: multirun/DATE/TIME with its multirun.yaml) before the job's checks;
+    a refused command removed only TIME, leaving a dated folder per mistake. Folders the user named are kept."""
+    (tmp_path / "mine").mkdir()
+    for args in (["steps=-1"], ["-m", "steps=5,-1", "dry_run=true"], ["steps=-1", "hydra.run.dir=mine/run"]):
+        assert decent_train(*args, cwd=tmp_path).returncode == 2
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert left == ["mine", "multirun", "outputs"], left
+
+
+def test_a_sweep_with_a_run_directory_is_one_line(tmp_path: Path) -> None:
+    """``-m ... hydra.run.dir=X``: Hydra ignores it and writes the jobs under multirun/DATE/TIME, where the user does
+    not look. Refused, naming the key to give; nothing is written."""
+    proc = decent_train("-m", "steps=5,6", "dry_run=true", f"hydra.run.dir={tmp_path / 'x'}", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        f"decent-train: error: hydra.run.dir={tmp_path / 'x'} with -m: a sweep's jobs go into hydra.sweep.dir/<job "
+        f"number>; give hydra.sweep.dir={tmp_path / 'x'}"), proc.stderr
+    assert [p.name for p in tmp_path.rglob("*")] == ["multirun"]  # (empty: Hydra makes it before the job)
+
+
 @pytest.mark.slow
 def test_a_sweep_over_algorithms_sets_their_options_with_plus_plus(tmp_path: Path) -> None:
     """``-m algorithm=diloco,localsgd ++algorithm.sync_every=5``: both jobs get the option (the plain override fails,

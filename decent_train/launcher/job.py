@@ -49,7 +49,10 @@ from decent_train.config import (
 from decent_train.launcher import help as help_module
 from decent_train.launcher import interrupt
 from decent_train.launcher.help import group_options, help_text
-from decent_train.launcher.sweep_check import SweepJobRefused, check_other_jobs
+from decent_train.launcher.run_dir import (
+    HYDRA_SUBDIR, check_one_run_dir, drop_refused_run_dir, hydra_record, write_hydra_record, write_whole,
+)
+from decent_train.launcher.sweep_check import SweepJobRefused, check_other_jobs, refuse_run_dir
 from decent_train.launcher.launch import (
     Interrupted,
     RendezvousFailed,
@@ -116,7 +119,7 @@ def _run_job(cfg: DictConfig) -> float | None:
     """
     _note_sweep()
     interrupt.raise_if_received()  # one a library swallowed between two jobs of a sweep
-    record = _hydra_record(cfg)  # before the checks fill in the run's keys
+    record = hydra_record(cfg)  # before the checks fill in the run's keys
     try:
         return _check_and_launch(cfg, record)
     except Exception as error:  # noqa: BLE001 - sorted into the user's mistakes and our bugs by describe_error
@@ -134,46 +137,8 @@ def _run_job(cfg: DictConfig) -> float | None:
             _exit_with(f"{message} (its log: {HydraConfig.get().runtime.output_dir}/logs/)", 1)
         if isinstance(error, RendezvousFailed):  # not the input's fault alone: the network, or the other nodes
             _exit_with(message, 1)
-        _drop_refused_run_dir(Path(HydraConfig.get().runtime.output_dir))
+        drop_refused_run_dir(Path(HydraConfig.get().runtime.output_dir))
         _exit_with(message, 2)
-
-
-def _drop_refused_run_dir(run_dir: Path) -> None:
-    """A refused job trained nothing, and the directory Hydra made for it is empty (or holds only Hydra's copy of the
-    command, where ``hydra.output_subdir`` was set): gone, so that mistakes leave no empty runs among the real ones
-    (``decent-train-plot`` of a sweep, say). A directory that holds anything else is left alone."""
-    if run_dir.is_dir() and {entry.name for entry in run_dir.iterdir()} <= {HYDRA_SUBDIR}:
-        shutil.rmtree(run_dir / HYDRA_SUBDIR, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            run_dir.rmdir()
-    hydra_cfg = HydraConfig.get()
-    sweep_dir = Path(hydra_cfg.sweep.dir) if hydra_cfg.mode == RunMode.MULTIRUN and hydra_cfg.job.num == 0 else None
-    if sweep_dir is not None and sweep_dir.is_dir() and {e.name for e in sweep_dir.iterdir()} <= {"multirun.yaml"}:
-        shutil.rmtree(sweep_dir, ignore_errors=True)  # the sweep's first job refused (all are checked there)
-
-
-HYDRA_SUBDIR = ".hydra"
-
-
-def _hydra_record(cfg: DictConfig) -> dict[str, str]:
-    """What Hydra writes to ``.hydra/`` (the composed config, its own config, the overrides), for the job to write once
-    its checks pass: conf/train.yaml sets ``hydra.output_subdir: null``, as Hydra would write them before the job runs,
-    and a refused relaunch into a run's directory would replace the record of the command that trained it. Empty
-    when the command set ``hydra.output_subdir`` itself: Hydra wrote there (or, null, nothing is wanted)."""
-    hydra_cfg = HydraConfig.get()
-    if any(o.split("=", 1)[0].lstrip("+~") == "hydra.output_subdir" for o in hydra_cfg.overrides.hydra):
-        return {}
-    own = OmegaConf.create({"hydra": OmegaConf.to_container(hydra_cfg)})
-    own.hydra.output_subdir = HYDRA_SUBDIR  # where this record is
-    return {"config.yaml": OmegaConf.to_yaml(cfg), "hydra.yaml": OmegaConf.to_yaml(own),
-            "overrides.yaml": OmegaConf.to_yaml(hydra_cfg.overrides.task)}
-
-
-def _write_hydra_record(run_dir: Path, record: dict[str, str]) -> None:
-    if record:
-        (run_dir / HYDRA_SUBDIR).mkdir(exist_ok=True)
-    for name, text in record.items():
-        (run_dir / HYDRA_SUBDIR / name).write_text(text, encoding="utf-8")
 
 
 def _check_and_launch(cfg: DictConfig, record: dict[str, str]) -> float | None:
@@ -185,20 +150,22 @@ def _check_and_launch(cfg: DictConfig, record: dict[str, str]) -> float | None:
     cfg.run.overrides = list(hydra_cfg.overrides.task)
     cfg.run.job_num = hydra_cfg.job.num if multirun else None
     cfg.run.sweep_dir = str(Path(hydra_cfg.sweep.dir).resolve()) if multirun else None
+    if multirun:
+        refuse_run_dir(hydra_cfg.overrides.hydra)
     train_cfg = _checked(cfg)
     if not multirun and not train_cfg.fault_tolerance.live:  # (live: the coordinator's directory is the run's)
-        _check_one_run_dir(train_cfg.launch, OmegaConf.to_container(hydra_cfg.run, resolve=False)["dir"])
+        check_one_run_dir(train_cfg.launch, OmegaConf.to_container(hydra_cfg.run, resolve=False)["dir"])
     if train_cfg.fault_tolerance.live and train_cfg.fault_tolerance.role == "agent":
-        _write_hydra_record(run_dir, record)
+        write_hydra_record(run_dir, record)
         return _run_agent(train_cfg, run_dir)
     preflight(train_cfg)
     if multirun and _hydra_runs_the_sweep(hydra_cfg):
         check_other_jobs(lambda job, num: preflight(_checked(job, num)))
-    _write_hydra_record(run_dir, record)
+    write_hydra_record(run_dir, record)
     config_path = run_dir / RESOLVED_CONFIG
     resolved = OmegaConf.structured(train_cfg)
     resolved.dry_run = False  # what the workers run: the dry run's file too, so the command it prints trains this job
-    _write_whole(config_path, lambda partial: OmegaConf.save(resolved, partial))  # another node may read it
+    write_whole(config_path, lambda partial: OmegaConf.save(resolved, partial))  # another node may read it
 
     if train_cfg.dry_run:
         _print_dry_run(train_cfg, config_path)
@@ -237,19 +204,6 @@ def _checked(cfg: DictConfig, sweep_job: int | None = None) -> TrainConfig:
     train_cfg = check_config(cfg)
     check_rendezvous_endpoint(train_cfg.launch)
     return train_cfg
-
-
-def _check_one_run_dir(launch: LaunchConfig, written: str) -> None:
-    """Several nodes, each launched by its own ``decent-train`` (torchrun's agents), must share one run directory:
-    each rank writes its checkpoint file there and rank 0 the manifest and results. ``hydra.run.dir`` as
-    ``written`` (before Hydra resolved it) from the clock (the default, ``outputs/${now:...}``) names another one on
-    every node: the checkpoints split between them (none can be resumed) and the other nodes' launchers find no
-    result. Refused in one line."""
-    nodes = node_range(launch.nnodes)[1]
-    if nodes > 1 and "${now:" in written:
-        raise ValueError(f"launch.nnodes={launch.nnodes} with hydra.run.dir={written}: each node's launch would name "
-                         "its own run directory from its clock, and the checkpoints and results would be split "
-                         "between them; set hydra.run.dir=/shared/PATH, the same on every node")
 
 
 def _run_agent(cfg: TrainConfig, run_dir: Path) -> None:
@@ -326,18 +280,10 @@ def complete_result(path: Path, wall: float, changes: list[dict[str, Any]] | Non
     if changes is not None:
         result["membership_changes"] = changes
     if os.environ.get("SLURM_NODEID", "0") == "0":  # on SLURM, the first node completes it
-        if result["resumed_from_step"] < result["steps"] or "wall_time_s" not in result:  # else the training's
+        if result.get("resumed_from_step") != result.get("steps") or "wall_time_s" not in result:  # else the training's
             result["wall_time_s"] = wall
-        _write_whole(path, lambda partial: partial.write_text(json.dumps(result, indent=2) + "\n"))
+        write_whole(path, lambda partial: partial.write_text(json.dumps(result, indent=2) + "\n"))
     return result
-
-
-def _write_whole(path: Path, write: Callable[[Path], object]) -> None:
-    """``write`` a file of this process's own beside ``path``, then rename it over ``path``: several nodes' launches
-    share the run directory, and one reading ``path`` never sees another's half-written."""
-    partial = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.partial")
-    write(partial)
-    os.replace(partial, path)
 
 
 def _exit_stopped(cfg: TrainConfig, run_dir: Path, sig: signal.Signals) -> None:

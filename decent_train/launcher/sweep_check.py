@@ -42,3 +42,13 @@ def check_other_jobs(check: Callable[[DictConfig, int], object]) -> int:
         except Exception as error:  # noqa: BLE001 - the caller sorts it, as it sorts its own job's
             raise SweepJobRefused(num, job, error) from error
     return len(jobs) - 1
+
+
+def refuse_run_dir(hydra_overrides: Sequence[str]) -> None:
+    """In a sweep, ``hydra.run.dir`` (a single run's directory) names nothing: Hydra ignores it without a word and the
+    jobs go under ``hydra.sweep.dir``, where the user would not look for them."""
+    for override in hydra_overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        if key == "hydra.run.dir":
+            raise ValueError(f"hydra.run.dir={value} with -m: a sweep's jobs go into hydra.sweep.dir/<job number>; "
+                             f"give hydra.sweep.dir={value}")
