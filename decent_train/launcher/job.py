@@ -249,6 +249,8 @@ def _train(cfg: TrainConfig, run_dir: Path, config_path: Path) -> float:
         _exit_stopped(cfg, run_dir, interrupted.sig)
     stop = Stop.read(run_dir)
     if stop is not None:  # what this launcher received, else what a worker did (a user's kill, another node's)
+        if received is not None and stop.signal != received.name:  # the workers got it as SIGUSR1 (launch.py)
+            dataclasses.replace(stop, signal=received.name).write(run_dir)
         _exit_stopped(cfg, run_dir, received or signal.Signals[stop.signal])
     wall = time.perf_counter() - start
     result = complete_result(run_dir / RESULT_FILE, wall, changes)
