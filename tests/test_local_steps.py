@@ -304,8 +304,8 @@ def _gossip_replay(world_size: int, topology: str, correction: bool = True, loca
                    steps: int = EDIT_STEPS) -> list[list[torch.Tensor]]:
     """Float64, every worker in one process from rank 0's parameters: at step s (1-based), the gradient at the
     parameters (edited), then if s > 1 x_i <- x_i + Σ_j W_ij x_j^s − x_i^s with W the round s − 2 and x^s the
-    parameters right after step s − 1 (before the edit); then the optimizer's step, then the edit. ``correction=False``: x_i <- Σ_j W_ij x_j^s, the
-    front before the fix, which undid the edits."""
+    parameters right after step s − 1 (before the edit); then the optimizer's step, then the edit.
+    ``correction=False``: x_i <- Σ_j W_ij x_j^s, the front before the fix, which undid the edits."""
     models = [make_model(seed=0) for _ in range(world_size)]
     inners = [_inner(m.parameters()) for m in models]
     built = topology_for(topology, world_size, local_world_size)

@@ -62,7 +62,7 @@ def _whole(value: Any) -> bool:
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return _whole(value) or isinstance(value, float)
 
 
 def _shown(value: Any) -> str:
@@ -74,16 +74,15 @@ def _shown(value: Any) -> str:
 def check_local_steps_arguments(sync_every: Any, fragments: Any, fragment_sync_delay: Any,
                                 fragment_update_alpha: Any) -> None:
     """One line naming the bad value and what is valid (the launcher's config runs the same checks)."""
-    whole = _whole
-    if not whole(sync_every) or sync_every < 1:
+    if not _whole(sync_every) or sync_every < 1:
         raise ValueError(f"sync_every={_shown(sync_every)}: must be a positive integer (inner steps per outer step)")
-    if not whole(fragments) or fragments < 1:
+    if not _whole(fragments) or fragments < 1:
         raise ValueError(f"fragments={fragments!r}: must be a positive integer (parts of the model synced in turn)")
     if sync_every % fragments:
         raise ValueError(f"sync_every={sync_every} is not a multiple of fragments={fragments}: one fragment syncs "
                          "every sync_every / fragments inner steps")
     period = sync_every // fragments
-    if not whole(fragment_sync_delay) or not 0 <= fragment_sync_delay < period:
+    if not _whole(fragment_sync_delay) or not 0 <= fragment_sync_delay < period:
         raise ValueError(f"fragment_sync_delay={fragment_sync_delay!r}: must be an integer in [0, {period}) "
                          f"(sync_every / fragments = {period} inner steps between syncs)")
     if not _number(fragment_update_alpha) or not 0.0 <= fragment_update_alpha <= 1.0:
@@ -93,16 +92,14 @@ def check_local_steps_arguments(sync_every: Any, fragments: Any, fragment_sync_d
 
 def check_front_arguments(model: Any, inner: Any, outer: Any, fragments: Any, compression: Any,
                           local_world_size: Any, timeout: Any, mesh: Any) -> None:
-    """The fronts' other arguments, each refused in one line naming it, its value and what is valid (audit D6),
-    before a TypeError or AttributeError deep in the construction, or nothing: ``timeout=0`` would fail every
-    exchange at once, ``local_world_size=0`` was read as unset, an outer optimizer that is the inner one steps the
-    parameters twice over."""
+    """The fronts' other arguments, each refused in one line naming it, its value and what is valid (audit D6), not
+    a TypeError deep in the construction, or nothing (``timeout=0`` fails every exchange at once, ``local_world_size=0``
+    was read as unset, an outer optimizer that is the inner one steps the parameters twice)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model={_shown(model)}: must be a torch.nn.Module")
-    if not isinstance(inner, Optimizer):
-        raise TypeError(f"inner={_shown(inner)}: must be a torch.optim.Optimizer over the model's parameters")
-    if outer is not None and not isinstance(outer, Optimizer):
-        raise TypeError(f"outer={_shown(outer)}: must be a torch.optim.Optimizer over the model's parameters")
+    for what, value in (("inner", inner), ("outer", outer)):
+        if (value is not None or what == "inner") and not isinstance(value, Optimizer):
+            raise TypeError(f"{what}={_shown(value)}: must be a torch.optim.Optimizer over the model's parameters")
     if outer is inner:
         raise ValueError("outer is the inner optimizer: DiLoCo's outer optimizer is a second one over the model's "
                          "parameters, e.g. torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)")
@@ -125,10 +122,8 @@ def check_front_arguments(model: Any, inner: Any, outer: Any, fragments: Any, co
 
 def _named(thing: Any) -> str | None:
     """A setting's name to compare between ranks: a string itself, else its ``name`` or class."""
-    if thing is None or isinstance(thing, str):
-        return thing
-    name = getattr(thing, "name", None)
-    return name if isinstance(name, str) else (thing.__name__ if isinstance(thing, type) else type(thing).__name__)
+    name = thing if thing is None or isinstance(thing, str) else getattr(thing, "name", None)
+    return name if isinstance(name, str) or thing is None else getattr(thing, "__name__", type(thing).__name__)
 
 
 def replicas_of(mesh: DeviceMesh | None) -> tuple[int, Any]:
@@ -194,6 +189,8 @@ class DiLoCo:
         check_offload(offload)
         compressor = make_compressor(compression, int8_block)
         named = self._trainable(model, inner, outer)
+        self._synced = {id(p) for _, p in named}
+        self._stepped = self._unsynced_in_inner(inner)
         shard, replicate_group = replicas_of(mesh)
         parts = split_parameters(named, fragments)
         self.model, self.inner, self.outer, self.sync_every = model, inner, outer, sync_every
@@ -259,10 +256,30 @@ class DiLoCo:
                              f"{named[0][0]}): build it over model.parameters()")
         if outer is not None:
             owned = {id(p) for group in outer.param_groups for p in group["params"]}
-            missing = [name for name, p in named if id(p) not in owned]
-            if missing:
-                raise ValueError(f"the outer optimizer must be built over the model's parameters; it lacks {missing[0]}")
+            if missing := [name for name, p in named if id(p) not in owned]:
+                raise ValueError(f"the outer optimizer must be built over the model's parameters; it lacks "
+                                 f"{missing[0]}")
         return named
+
+    def _unsynced_in_inner(self, inner: Optimizer) -> tuple[int, list[Tensor]]:
+        """(the inner optimizer's parameter count, those of its parameters the front does not sync)."""
+        held = [p for group in inner.param_groups for p in group["params"]]
+        return len(held), [p for p in held if id(p) not in self._synced]
+
+    def _check_trainable_set(self) -> None:
+        """The trainable set is fixed when the front is built (fragments, anchors, buffers, outer state): a model
+        parameter made trainable in the inner optimizer since (``add_param_group``, ``requires_grad_``) is refused at
+        the next outer step, not left to drift apart between workers (audit D4). Cheap: a count and a look."""
+        count, unsynced = self._stepped
+        if count == sum(len(g["params"]) for g in self.inner.param_groups) and not any(
+                p.requires_grad for p in unsynced):
+            return
+        self._stepped = count, unsynced = self._unsynced_in_inner(self.inner)
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        if added := [names[id(p)] for p in unsynced if p.requires_grad and id(p) in names]:
+            raise RuntimeError(f"parameter '{added[0]}' became trainable in the inner optimizer after the "
+                               f"{type(self).__name__} front was built, which syncs only the parameters trainable "
+                               "then: unfreeze before building the front, or build a new one after")
 
     def _my_groups(self) -> list[Edge]:
         """This worker's groups of two or more over the topology's period (each keeps its compressed copies)."""
@@ -288,12 +305,10 @@ class DiLoCo:
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of the tensors this front holds now, by place: ``"device"`` (the parameters' device) and ``"host"``
-        (offloaded). Walked: every fragment's anchors, exchange buffers (payload, receive buffer, a point-to-point
-        group's rows, a staged result if one was made: none since audit D7), compressed scratch, messages and public
-        copies, and the outer optimizer's state of the front's parameters; each storage once. On CUDA a tensor counts
-        where it is; with the parameters on the CPU (where the two places are one memory) a tensor counts by the
-        container it is in: the offload's host-resident copies as host, all else (the device-resident set: the
-        buffers of an exchange in flight and what was moved in for it, and everything without offload) as device."""
+        (offloaded); each storage once: every fragment's anchors, exchange buffers (payload, receive buffer, a
+        point-to-point group's rows, Gossip's copy of what it sent), compressed scratch, messages and public copies,
+        and the outer optimizer's state of the front's parameters. On CUDA a tensor counts where it is; with the
+        parameters on the CPU (one memory) by its container: the offload's host copies as host, all else as device."""
         held = [item for group in self.groups for item in group.held()]
         if self.outer is not None:
             held += [(local_part(v), self._at_home(p, v)) for group in self.groups for p in group.owners
@@ -474,6 +489,7 @@ class DiLoCo:
     def outer_step(self) -> None:
         """Finish the exchange in flight (started now if none is) and take the fragment's outer step, a part of the
         fragment at a time (:meth:`_parts`)."""
+        self._check_trainable_set()
         exchange = self._in_flight or self._start(self._next_fragment())
         self._in_flight = None
         fragment = exchange.fragment
