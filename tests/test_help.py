@@ -245,3 +245,14 @@ def test_help_shows_split_seed_exactly_where_a_set_one_is_accepted(dataset: str,
     overrides = [f"dataset.{k}={v}" if k != "name" else f"dataset={v}"
                  for k, v in _dataset_keys(dataset, partition).items()]
     assert ("dataset.split_seed" in _listed(_help(*overrides, show_all=True))) == accepted
+
+
+def test_a_long_description_ends_at_a_sentence_before_a_phrase() -> None:
+    """Cut at the last clause that fits, ``fault_tolerance.role`` read "what this launch runs. both: the
+    coordinator" (a phrase's end, after a sentence's) and ``fragment_update_alpha`` "...parameters; 0"."""
+    key = "  k=v".ljust(help_module.KEY_COLUMN)
+    words = "what this launch runs. both: the coordinator (the store and the plans) and this node's agent " * 2
+    assert help_module._cut(f"{key} {words}") == f"{key} what this launch runs"
+    phrases = "a b c, " * 30  # no sentence: the last phrase that fits
+    cut = help_module._cut(f"{key} {phrases}")
+    assert cut.endswith("a b c") and len(cut) <= help_module.WIDTH < len(cut) + len(", a b c")

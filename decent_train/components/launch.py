@@ -145,9 +145,10 @@ class FaultToleranceConfig:
     # member ending its run is silent longer than its 0.1 s beat)
     detect_s: float = 10.0
     min_workers: int = 1  # live: below this many the run stops, with a checkpoint
-    # live: what this launch runs. both: the coordinator (the store and the plans) and this node's agent (its
-    # workers); coordinator: the coordinator alone (a host that does not train); agent: this node's agent, for the
-    # coordinator at launch.rdzv_endpoint (the job is the coordinator's). Several nodes: docs/fault-tolerance.md
+    # live: what this launch runs: both, coordinator or agent. both: the coordinator (the store and the plans) and
+    # this node's agent (its workers); coordinator: the coordinator alone (a host that does not train); agent: this
+    # node's agent, for the coordinator at launch.rdzv_endpoint (the job is the coordinator's). Several nodes:
+    # docs/fault-tolerance.md
     role: str = "both"
 
     def __post_init__(self) -> None:

@@ -196,14 +196,16 @@ def _line(key: Key) -> str:
 
 
 def _cut(line: str) -> str:
-    """One line of at most WIDTH characters: a long description ends at the last clause that fits (outside any
-    parentheses), else at a word, with "..."."""
+    """One line of at most WIDTH characters: a long description ends at the last sentence or clause (". ", "; ")
+    that fits, outside any parentheses, else at the last phrase (", ", " ("), else at a word, with "..."; a phrase
+    cut after a sentence's end would leave a fragment ("both: the coordinator")."""
     if len(line) <= WIDTH:
         return line
-    ends = [i for i in range(KEY_COLUMN, WIDTH) if line.startswith(("; ", ". ", ", ", " ("), i)
-            and line.count("(", 0, i) == line.count(")", 0, i)]
-    if ends:
-        return line[: ends[-1]]
+    for marks in (("; ", ". "), (", ", " (")):
+        ends = [i for i in range(KEY_COLUMN, WIDTH) if line.startswith(marks, i)
+                and line.count("(", 0, i) == line.count(")", 0, i)]
+        if ends:
+            return line[: ends[-1]]
     return line[: line.rfind(" ", 0, WIDTH - 3)] + "..."
 
 
