@@ -100,7 +100,10 @@ def test_every_option_composes_and_checks(group: str, option: str, data_dirs: di
         ({"dataset": {"name": "npz"}}, "dataset=npz needs dataset.root"),
         ({"launch": {"device": "tpu"}}, "launch.device='tpu'"),
         ({"launch": {"nnodes": 2}}, "launch.rdzv_endpoint"),
-        ({"logger": {"log_every": 0}}, "logger.log_every=0"),
+        ({"logger": {"log_every": 0}}, "logger.log_every=0 must be >= 1"),  # alone: not the keys that are right
+        ({"logger": {"consensus_samples": -1}}, "logger.consensus_samples=-1 must be >= 0"),
+        ({"checkpoint": {"keep": 0}}, "checkpoint.keep=0 must be >= 1 (the newest checkpoints kept)"),
+        ({"checkpoint": {"every": -1}}, "checkpoint.every=-1 must be >= 0"),
         ({"batch_size": 0}, "batch_size=0"),
         ({"model": {"name": "cnn"}, "dataset": {"name": "synthetic", "input_shape": [64]}}, "model=cnn needs images"),
         ({"steps": 0, "epochs": 0}, "epochs=0"),

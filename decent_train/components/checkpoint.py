@@ -64,8 +64,10 @@ class CheckpointConfig:
     fresh_if_unreadable: bool = False  # resume=DIR without a readable checkpoint: start from step 0 instead of stopping
 
     def __post_init__(self) -> None:
-        if self.every < 0 or self.keep < 1:
-            raise ValueError(f"checkpoint.every={self.every} must be >= 0 and checkpoint.keep={self.keep} >= 1")
+        if self.every < 0:
+            raise ValueError(f"checkpoint.every={self.every} must be >= 0 (0: only the final checkpoint)")
+        if self.keep < 1:
+            raise ValueError(f"checkpoint.keep={self.keep} must be >= 1 (the newest checkpoints kept)")
 
 
 @dataclass

@@ -64,11 +64,10 @@ class LoggerConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)  # wandb.mode!=disabled: where wandb logs
 
     def __post_init__(self) -> None:
-        if self.log_every < 1 or self.consensus_every < 0 or self.consensus_samples < 0:
-            raise ValueError(
-                f"logger.log_every={self.log_every} must be >= 1, logger.consensus_every={self.consensus_every} >= 0 "
-                f"and logger.consensus_samples={self.consensus_samples} >= 0"
-            )
+        for key, value, least in (("log_every", self.log_every, 1), ("consensus_every", self.consensus_every, 0),
+                                  ("consensus_samples", self.consensus_samples, 0)):
+            if value < least:
+                raise ValueError(f"logger.{key}={value} must be >= {least}")
         if self.console_level.upper() not in LEVELS:
             raise ValueError(f"logger.console_level={self.console_level!r} is not a level; valid: {', '.join(LEVELS)}")
         refuse_unread("logger.wandb", self.wandb, WANDB_READERS, "logger.wandb.mode", self.wandb.mode)
