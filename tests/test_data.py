@@ -596,8 +596,9 @@ def test_token_ids_must_be_below_the_vocabulary(tmp_path: Path, split: str) -> N
     ids[len(ids) // 2] = 100
     ids.astype("<u2").tofile(path)
     cfg = _token_cfg(tmp_path, vocab_size=100)
-    cfg.check_files()  # accepted by the cheap check ...
-    _error([str(path), "100", "vocab_size"], lambda: build_datasets(cfg))  # ... rejected on load
+    # rejected by the launcher's preflight, before any worker (it was left to the workers: a traceback), and on load
+    _error([str(path), "token id 100", "dataset.vocab_size=100", "dataset.vocab_size=101 or more"], cfg.check_files)
+    _error([str(path), "100", "vocab_size"], lambda: build_datasets(cfg))
 
 
 # --------------------------------------------------------------------------------------------------------------------

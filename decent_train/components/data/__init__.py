@@ -145,7 +145,7 @@ DATASETS: dict[str, DatasetKind] = {
     "tokens": DatasetKind(
         build=lambda cfg: tokens.TokenData(cfg.root_path(), cfg.context_length, cfg.vocab_size),
         reads=("root", "context_length", "vocab_size"),
-        check_files=lambda cfg: tokens.check_token_files(_check_dir(cfg), cfg.context_length),
+        check_files=lambda cfg: tokens.check_token_files(_check_dir(cfg), cfg.context_length, cfg.vocab_size),
         layout=tokens.TOKENS_LAYOUT,
         check_shards=_check_token_shards,
     ),

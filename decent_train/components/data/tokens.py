@@ -17,9 +17,9 @@ TOKENS_LAYOUT = "ROOT/train.bin and ROOT/val.bin, token ids as flat little-endia
 _VOCAB_CHECK_TOKENS = 1 << 22  # token ids checked against the vocabulary on load: a prefix, not a 10 GB file
 
 
-def check_token_files(root: Path, context_length: int) -> None:
-    """Cheap: both files exist and hold whole uint16 tokens, at least one window's worth. Their ids are checked
-    against the vocabulary when a worker loads them."""
+def check_token_files(root: Path, context_length: int, vocab_size: int) -> None:
+    """Cheap: both files exist and hold whole uint16 tokens, at least one window's worth, and the ids of their first
+    ``_VOCAB_CHECK_TOKENS`` are below ``vocab_size`` (the launcher's preflight runs it before any worker starts)."""
     for split in ("train.bin", "val.bin"):
         path = root / split
         if not path.is_file():
@@ -32,6 +32,16 @@ def check_token_files(root: Path, context_length: int) -> None:
                 f"{path} has {size // 2} tokens, fewer than dataset.context_length + 1 = {context_length + 1}; "
                 f"expected {TOKENS_LAYOUT}"
             )
+        check_token_ids(path, np.memmap(path, dtype="<u2", mode="r"), vocab_size)
+
+
+def check_token_ids(path: Path, tokens: np.ndarray, vocab_size: int) -> None:
+    """The ids of the first ``_VOCAB_CHECK_TOKENS`` tokens are below ``vocab_size``: the embedding's rows (a prefix,
+    not a 10 GB file)."""
+    top = int(tokens[:_VOCAB_CHECK_TOKENS].max())
+    if top >= vocab_size:
+        raise ValueError(f"{path} holds token id {top}, not below dataset.vocab_size={vocab_size}; set "
+                         f"dataset.vocab_size={top + 1} or more (the tokenizer's vocabulary)")
 
 
 def check_token_shards(train_path: Path, tokens: int, world: int, context_length: int) -> None:
@@ -57,9 +67,7 @@ class TokenData(Datasets):
         self.train_tokens = np.memmap(self.train_path, dtype="<u2", mode="r")
         self.val_tokens = np.memmap(self.val_path, dtype="<u2", mode="r")
         for path, tokens in ((self.train_path, self.train_tokens), (self.val_path, self.val_tokens)):
-            top = int(tokens[:_VOCAB_CHECK_TOKENS].max())
-            if top >= vocab_size:
-                raise ValueError(f"{path} holds token id {top}, not below dataset.vocab_size={vocab_size}")
+            check_token_ids(path, tokens, vocab_size)
         self.context_length = context_length
         self.input_shape = (context_length,)
         self.num_classes = vocab_size
