@@ -149,6 +149,8 @@ BAD_INPUTS = {
     "unresolvable rendezvous host": (  # .invalid never resolves (RFC 2606); torch's client would retry it for 60 s
         ["launch.nnodes=2", "launch.rdzv_endpoint=no-such-host.invalid:29500", "launch.rdzv_id=t"],
         ["launch.rdzv_endpoint=no-such-host.invalid:29500", "cannot resolve the host 'no-such-host.invalid'"]),
+    "an empty resume": (["resume="], ["resume= is empty", "give resume=RUN_DIR"]),  # it checked the working dir
+    "a launcher fact": (["run.job_num=3"], ["run.job_num=3: run.* are the launcher's facts"]),  # was overwritten
     "rendezvous port": (["launch.nnodes=2", "launch.rdzv_endpoint=node1:99999", "launch.rdzv_id=t"],
                         ["launch.rdzv_endpoint=node1:99999", "is not an endpoint", "a port in 1..65535"]),
 }

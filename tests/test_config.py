@@ -421,3 +421,17 @@ def test_wheel_contains_the_config(tmp_path: Path) -> None:
         expected = {f"decent_train/{folder}/{p.relative_to(REPO / folder)}" for p in (REPO / folder).rglob("*.yaml")}
         assert expected and expected <= names
     assert "decent_train/launcher/cli.py" in names and "decent_train/worker.py" in names
+
+
+@pytest.mark.parametrize(("override", "line"), [
+    ("model.channels=5", "model.channels=5: expected a list, e.g. model.channels=[32,64]"),
+    ("phases=[foo]", "phases[0]=foo: each phase is {algorithm: allreduce|decentralized, topology: NAME, steps: N}, "
+                     "e.g. 'phases=[{algorithm:allreduce,steps:100},{topology:ring}]'"),
+])
+def test_a_value_of_the_wrong_shape_says_what_shape(override: str, line: str) -> None:
+    """OmegaConf's own words were "int is not a ListConfig, list or tuple" and "str is not a subclass of
+    PhaseConfig": no example of the right value. The example is the schema's default (written here by hand)."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        with pytest.raises(ConfigCompositionException) as error:
+            compose("train", overrides=[override])
+    assert describe_error(error.value) == line

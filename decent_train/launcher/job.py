@@ -29,7 +29,7 @@ from hydra.errors import ConfigCompositionException, HydraException, MissingConf
 from hydra.types import RunMode
 from loguru import logger
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 import decent_train.algorithms  # noqa: F401 - registers every algorithm, and the schema of its options
 from decent_train.components.checkpoint import complete_checkpoints
@@ -46,6 +46,7 @@ from decent_train.config import (
     check_config,
     node_range,
 )
+from decent_train.components.checks import as_override, schema_default
 from decent_train.launcher import help as help_module
 from decent_train.launcher import interrupt
 from decent_train.launcher.help import group_options, help_text
@@ -152,6 +153,9 @@ def _check_and_launch(cfg: DictConfig, record: dict[str, str]) -> float | None:
     cfg.run.sweep_dir = str(Path(hydra_cfg.sweep.dir).resolve()) if multirun else None
     if multirun:
         refuse_run_dir(hydra_cfg.overrides.hydra)
+    if given := [o for o in hydra_cfg.overrides.task if o.lstrip("+~").startswith("run.")]:
+        raise ValueError(f"{given[0]}: run.* are the launcher's facts about the job (its directory, choices and "
+                         "overrides), written for the workers; not settings")
     train_cfg = _checked(cfg)
     if not multirun and not train_cfg.fault_tolerance.live:  # (live: the coordinator's directory is the run's)
         check_one_run_dir(train_cfg.launch, OmegaConf.to_container(hydra_cfg.run, resolve=False)["dir"])
@@ -420,11 +424,25 @@ def describe_error(error: BaseException) -> str | None:
         if not valid:
             return str(cause.msg)
         return f"{cause.full_key} is not a key; valid {where}: {', '.join(valid)}{_algorithm_hint(cause.full_key)}"
+    if isinstance(cause, ValidationError) and cause.full_key and _expected_shape(cause):
+        return f"{cause.full_key}={as_override(cause.value)}: {_expected_shape(cause)}"
     if isinstance(cause, OmegaConfBaseException):
         message = str(cause.msg).strip().splitlines()[0]
         return f"{cause.full_key}: {message}" if getattr(cause, "full_key", None) else message
     if isinstance(error, HydraException):
         return str(error).strip().splitlines()[0]
+    return None
+
+
+def _expected_shape(cause: ValidationError) -> str | None:
+    """What a value of the wrong shape should look like (OmegaConf says "int is not a ListConfig"), with the
+    schema's default as the example; None for other validation errors."""
+    key = str(cause.full_key).rpartition(".")[2]
+    if "is not a ListConfig" in str(cause.msg) and dataclasses.is_dataclass(cause.object_type):
+        return f"expected a list, e.g. {cause.full_key}={as_override(schema_default(cause.object_type, key))}"
+    if "is not a subclass of PhaseConfig" in str(cause.msg):
+        return ("each phase is {algorithm: allreduce|decentralized, topology: NAME, steps: N}, e.g. "
+                "'phases=[{algorithm:allreduce,steps:100},{topology:ring}]'")
     return None
 
 

@@ -35,6 +35,8 @@ from decent_train.training.resume import resume_settings
 def preflight(cfg: TrainConfig) -> None:
     """Raise ``ValueError`` (one line, naming the bad value) if ``cfg`` cannot run; ``launch.nproc_per_node`` must be
     resolved (the launcher does that first) for the checks over world sizes."""
+    if cfg.resume == "":  # (it would name the working directory)
+        raise ValueError("resume= is empty; give resume=RUN_DIR, the run directory to continue from, or leave it out")
     check_run_dir(cfg)
     check_continuation(cfg)
     cfg.dataset.check_files()
