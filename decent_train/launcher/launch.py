@@ -29,6 +29,7 @@ from torch.distributed.launcher.api import elastic_launch
 from decent_train.components.launch import TORCH_STORE_TIMEOUT_S
 from decent_train.config import TORCH_KEEP_ALIVE_S, TORCH_LAST_CALL_S, LaunchConfig
 from decent_train.launcher.forking import environment, spawn_forkserver
+from decent_train.launcher.exit_order import ExitOrder
 from decent_train.launcher.network import GLOO_INTERFACE, NodeAddress, this_node
 from decent_train.training.stop import FORWARDED, REQUEST_FILE, stop_signals
 from decent_train.worker import forked
@@ -163,18 +164,20 @@ def launch_workers(cfg: LaunchConfig, config_path: Path) -> signal.Signals | Non
     threads = cfg.threads_per_worker or default_threads_per_worker(cfg.nproc_per_node)
     # The agent logs each failure at ERROR; WorkerFailure reports the first one instead.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "Terminating process N via SIGTERM"
     _AfterTheWorkers.install()
     with StopForwarding(config_path.parent / REQUEST_FILE) as forward, environment(OMP_NUM_THREADS=str(threads),
                                                    **(ELASTIC_ENV if cfg.elastic else {}),
                                                    **({GLOO_INTERFACE: node.interface} if node.interface else {})):
         start_forkserver()
         try:
-            elastic_launch(elastic, forked)(str(config_path), os.getcwd(), dict(os.environ))
+            with ExitOrder(cfg.nproc_per_node) as exits:
+                elastic_launch(elastic, forked)(str(config_path), os.getcwd(), dict(os.environ))
             return forward.received
         except ChildFailedError as error:
             if forward.received is not None:  # killed by a second Ctrl-C, or by the signal before its handler was set
                 raise Interrupted(forward.killed or forward.received) from None
-            raise _failure(error) from None
+            raise _failure(error, exits.first(), config_path.parent) from None
         except SignalException as error:
             raise Interrupted(forward.killed or error.sigval) from None
         except RendezvousError as error:
@@ -386,9 +389,20 @@ def default_threads_per_worker(nproc_per_node: int) -> int:
     return max(1, allowed // nproc_per_node)
 
 
-def _failure(error: ChildFailedError) -> WorkerFailure:
-    """The first worker to fail: its last error line, and its traceback from the error file ``@record`` wrote."""
+def _failure(error: ChildFailedError, first: int | None = None, run_dir: Path | None = None) -> WorkerFailure:
+    """The failed worker torch's agent reports: its last error line, and its traceback from the error file
+    ``@record`` wrote. If another worker of this node ended before it (``first``, exit_order.py) without a Python
+    error of its own (its log has no "rank K failed"), that one is named first: it was killed, and the reported one
+    failed on it."""
     rank, failure = error.get_first_failure()
+    if first is not None and first != rank and run_dir is not None:
+        log = run_dir / "logs" / f"rank{first}.log"
+        with contextlib.suppress(OSError):
+            if f"rank {first} failed" not in log.read_text(errors="replace"):
+                reported = _failure(error)
+                return WorkerFailure(f"worker rank {first} ended first, with no error of its own (killed: a signal "
+                                     f"such as SIGKILL, or the kernel's out-of-memory killer; its log: {log}); then "
+                                     f"{reported}", reported.traceback)
     traceback = ""
     if isinstance(failure.message, dict):
         traceback = failure.message.get("extraInfo", {}).get("py_callstack", "")
