@@ -104,6 +104,8 @@ def test_every_option_composes_and_checks(group: str, option: str, data_dirs: di
         ({"logger": {"consensus_samples": -1}}, "logger.consensus_samples=-1 must be >= 0"),
         ({"checkpoint": {"keep": 0}}, "checkpoint.keep=0 must be >= 1 (the newest checkpoints kept)"),
         ({"checkpoint": {"every": -1}}, "checkpoint.every=-1 must be >= 0"),
+        ({"dataset": {"name": "synthetic", "noise": -1.0}}, "dataset.noise=-1.0 must be >= 0"),  # a std, was taken
+        ({"dataset": {"name": "synthetic", "num_classes": 1}}, "dataset.num_classes=1 must be >= 2"),
         ({"batch_size": 0}, "batch_size=0"),
         ({"model": {"name": "cnn"}, "dataset": {"name": "synthetic", "input_shape": [64]}}, "model=cnn needs images"),
         ({"steps": 0, "epochs": 0}, "epochs=0"),

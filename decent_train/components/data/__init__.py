@@ -188,11 +188,11 @@ class DatasetConfig:
             raise ValueError(f"dataset.name={self.name!r} is not a dataset; valid: {', '.join(DATASET_NAMES)}")
         if not 0.0 < self.test_fraction < 1.0:
             raise ValueError(f"dataset.test_fraction={self.test_fraction} must be in (0, 1)")
-        if self.num_samples < 1 or self.num_classes < 2 or not self.input_shape or min(self.input_shape) < 1:
-            raise ValueError(
-                f"dataset.num_samples={self.num_samples} must be >= 1, dataset.num_classes={self.num_classes} >= 2, "
-                f"dataset.input_shape={list(self.input_shape)} positive sizes"
-            )
+        for key, least in (("num_samples", 1), ("num_classes", 2), ("noise", 0)):
+            if getattr(self, key) < least:
+                raise ValueError(f"dataset.{key}={getattr(self, key)} must be >= {least}")
+        if not self.input_shape or min(self.input_shape) < 1:
+            raise ValueError(f"dataset.input_shape={list(self.input_shape)}: sizes must be >= 1, e.g. [64]")
         for key in ("image_size", "context_length", "vocab_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"dataset.{key}={getattr(self, key)} must be >= 1")
