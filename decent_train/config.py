@@ -27,8 +27,8 @@ from decent_train.components.checks import (
     as_override,
     as_sweep_job,
     engine_check,
-    refusing_ignored,
     refuse_added_keys,
+    refusing_ignored,
     refusing_unread,
     schema_default,
 )
@@ -588,7 +588,6 @@ def check_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:
     with as_sweep_job() if merged.run.job_num is not None else contextlib.nullcontext():
         refuse_added_keys(merged, {"algorithm": [traits.schema for traits in ALGORITHM_TRAITS.values()]})
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
-
 
 
 def load_config(path: str | Path) -> TrainConfig:

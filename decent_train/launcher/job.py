@@ -7,17 +7,14 @@ workers read ``resolved_config.yaml``, the same file cluster scripts hand to tor
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
-import shutil
 import signal
 import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +30,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 import decent_train.algorithms  # noqa: F401 - registers every algorithm, and the schema of its options
 from decent_train.components.checkpoint import complete_checkpoints
+from decent_train.components.checks import as_override, schema_default
 from decent_train.components.data import prepare as prepare_data
 from decent_train.config import (
     ALGORITHM_TRAITS,
@@ -46,14 +44,9 @@ from decent_train.config import (
     check_config,
     node_range,
 )
-from decent_train.components.checks import as_override, schema_default
 from decent_train.launcher import help as help_module
 from decent_train.launcher import interrupt
 from decent_train.launcher.help import group_options, help_text
-from decent_train.launcher.run_dir import (
-    HYDRA_SUBDIR, check_one_run_dir, drop_refused_run_dir, hydra_record, write_hydra_record, write_whole,
-)
-from decent_train.launcher.sweep_check import SweepJobRefused, check_other_jobs, refuse_run_dir
 from decent_train.launcher.launch import (
     Interrupted,
     RendezvousFailed,
@@ -65,6 +58,10 @@ from decent_train.launcher.launch import (
     slurm_rendezvous,
     torchrun_command,
 )
+from decent_train.launcher.run_dir import (
+    check_one_run_dir, drop_refused_run_dir, hydra_record, write_hydra_record, write_whole,
+)
+from decent_train.launcher.sweep_check import SweepJobRefused, check_other_jobs, refuse_run_dir
 from decent_train.launcher.preflight import preflight
 from decent_train.launcher.node_agent import run_agent
 from decent_train.launcher.supervisor import agent_command, run_supervised
@@ -278,10 +275,10 @@ def _train(cfg: TrainConfig, run_dir: Path, config_path: Path) -> float:
 
 def complete_result(path: Path, wall: float, changes: list[dict[str, Any]] | None) -> dict[str, Any]:
     """Rank 0's ``result.json`` with this launch's wall time (unless it only evaluated a finished run: the training's
-    stays) and membership changes. Outside SLURM every node's
-    launcher completes it (none knows it is the first node): each writes a file of its own and renames it over the
-    result, so a node reading it never sees another's half-written (measured: 4 of 7 three-node torchrun runs failed
-    on a plain rewrite). The last node to finish gives the wall time."""
+    stays) and membership changes. Outside SLURM every node's launcher completes it (none knows it is the first
+    node): each writes a file of its own and renames it over the result, so a node reading it never sees another's
+    half-written (measured: 4 of 7 three-node torchrun runs failed on a plain rewrite). The last node to finish gives
+    the wall time."""
     result = json.loads(path.read_text())  # rank 0 wrote it before every worker left (a barrier)
     if changes is not None:
         result["membership_changes"] = changes

@@ -187,8 +187,8 @@ def launch_workers(cfg: LaunchConfig, config_path: Path) -> signal.Signals | Non
 class _AfterTheWorkers(logging.Filter):
     """torch's agents meet at an exit barrier once their workers have ended, in the store of the agent that hosts the
     rendezvous, and that agent leaves as soon as it has arrived: an agent still waiting then logs a traceback (``Error
-    waiting on exit barrier``) and a warning (``failed to shutdown the rendezvous``). Seen on every node but the
-    first when the first arrives last (two nodes in network namespaces). The launcher reports how the workers ended
+    waiting on exit barrier``) and a warning (``failed to shutdown the rendezvous``): seen on the other node in 1 of
+    8 two-node runs in network namespaces, after both had trained. The launcher reports how the workers ended
     itself, so these go to launcher.log, not to the terminal."""
 
     loggers = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.rendezvous.dynamic_rendezvous")

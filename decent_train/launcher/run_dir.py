@@ -3,7 +3,6 @@ job's directory removed again, and files written whole for readers on other node
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import socket
