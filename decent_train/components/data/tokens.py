@@ -14,7 +14,7 @@ from torch import Tensor
 from decent_train.components.data.base import Batch, Datasets, batch_generator
 
 TOKENS_LAYOUT = "ROOT/train.bin and ROOT/val.bin, token ids as flat little-endian uint16 (nanoGPT's format)"
-_VOCAB_CHECK_TOKENS = 1 << 22  # token ids checked against the vocabulary on load: a prefix, not a 10 GB file
+_VOCAB_CHECK_TOKENS = 1 << 22  # token ids check_token_files checks against the vocabulary: a prefix, not a 10 GB file
 
 
 def check_token_files(root: Path, context_length: int, vocab_size: int) -> None:
@@ -32,16 +32,10 @@ def check_token_files(root: Path, context_length: int, vocab_size: int) -> None:
                 f"{path} has {size // 2} tokens, fewer than dataset.context_length + 1 = {context_length + 1}; "
                 f"expected {TOKENS_LAYOUT}"
             )
-        check_token_ids(path, np.memmap(path, dtype="<u2", mode="r"), vocab_size)
-
-
-def check_token_ids(path: Path, tokens: np.ndarray, vocab_size: int) -> None:
-    """The ids of the first ``_VOCAB_CHECK_TOKENS`` tokens are below ``vocab_size``: the embedding's rows (a prefix,
-    not a 10 GB file)."""
-    top = int(tokens[:_VOCAB_CHECK_TOKENS].max())
-    if top >= vocab_size:
-        raise ValueError(f"{path} holds token id {top}, not below dataset.vocab_size={vocab_size}; set "
-                         f"dataset.vocab_size={top + 1} or more (the tokenizer's vocabulary)")
+        top = int(np.memmap(path, dtype="<u2", mode="r")[:_VOCAB_CHECK_TOKENS].max())  # the embedding's rows
+        if top >= vocab_size:
+            raise ValueError(f"{path} holds token id {top}, not below dataset.vocab_size={vocab_size}; set "
+                             f"dataset.vocab_size={top + 1} or more (the tokenizer's vocabulary)")
 
 
 def check_token_shards(train_path: Path, tokens: int, world: int, context_length: int) -> None:
@@ -66,8 +60,6 @@ class TokenData(Datasets):
         self.train_path, self.val_path = root / "train.bin", root / "val.bin"
         self.train_tokens = np.memmap(self.train_path, dtype="<u2", mode="r")
         self.val_tokens = np.memmap(self.val_path, dtype="<u2", mode="r")
-        for path, tokens in ((self.train_path, self.train_tokens), (self.val_path, self.val_tokens)):
-            check_token_ids(path, tokens, vocab_size)
         self.context_length = context_length
         self.input_shape = (context_length,)
         self.num_classes = vocab_size
