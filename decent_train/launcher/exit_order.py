@@ -13,7 +13,8 @@ import os
 import re
 import select
 import threading
-from pathlib import Path
+
+from decent_train.launcher.forking import children_running, processes
 
 TITLE = re.compile(rb"^decent_train\.worker .* \(rank (\d+) of \d+\)")  # worker.take_the_launch's process title
 LOOK_S = 0.1  # while not every worker is watched yet (starting, restarting): how often /proc is read
@@ -69,13 +70,8 @@ class ExitOrder(threading.Thread):
 
 
 def _workers() -> dict[int, int]:
-    """pid -> rank of this process's workers: the children of its children (the forkserver) titled as a worker."""
-    me, processes = str(os.getpid()), {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                parent = entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1]
-                processes[entry.name] = (parent, entry.joinpath("cmdline").read_bytes())
-    servers = {pid for pid, (parent, _) in processes.items() if parent == me}
-    return {int(pid): int(match[1]) for pid, (parent, title) in processes.items()
+    """pid -> rank of this process's workers: the children of its forkserver titled as a worker."""
+    found = processes()
+    servers = children_running(found, "multiprocessing.forkserver")
+    return {int(pid): int(match[1]) for pid, (parent, title) in found.items()
             if parent in servers and (match := TITLE.match(title))}

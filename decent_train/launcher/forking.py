@@ -10,6 +10,7 @@ import contextlib
 import os
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 FORKSERVER_MODULE = "decent_train.forkserver"  # what the process the workers are forked from imports first
 LAUNCHER_PID_ENV = "DECENT_TRAIN_LAUNCHER_PID"  # the forkserver's parent, which it dies with
@@ -64,3 +65,22 @@ def environment(**values: str) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def children_running(table: dict[str, tuple[str, bytes]], *names: str) -> set[str]:
+    """The pids of this process's children in ``table`` (:func:`processes`) whose command line holds one of
+    ``names``."""
+    me = str(os.getpid())
+    return {pid for pid, (parent, command) in table.items()
+            if parent == me and any(name.encode() in command for name in names)}
+
+
+def processes() -> dict[str, tuple[str, bytes]]:
+    """pid -> (parent pid, command line) of every process (/proc)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                parent = entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1]
+                found[entry.name] = (parent, entry.joinpath("cmdline").read_bytes())
+    return found

@@ -28,7 +28,7 @@ from torch.distributed.launcher.api import elastic_launch
 
 from decent_train.components.launch import TORCH_STORE_TIMEOUT_S
 from decent_train.config import TORCH_KEEP_ALIVE_S, TORCH_LAST_CALL_S, LaunchConfig
-from decent_train.launcher.forking import environment, spawn_forkserver
+from decent_train.launcher.forking import children_running, environment, processes, spawn_forkserver
 from decent_train.launcher.exit_order import ExitOrder
 from decent_train.launcher.network import GLOO_INTERFACE, NodeAddress, this_node
 from decent_train.training.stop import FORWARDED, REQUEST_FILE, stop_signals
@@ -303,39 +303,21 @@ def _catches(pid: int, sig: signal.Signals) -> bool:
 def _workers() -> list[int]:
     """This process's workers: its children that run the worker module (a node agent's ``command``), and the
     children of its forkserver (:func:`start_forkserver`). Read from /proc."""
-    processes = _processes()
-    servers = _children_running(processes, "multiprocessing.forkserver")
-    return [int(pid) for pid in _children_running(processes, WORKER_MODULE)] + \
-        [int(pid) for pid, (parent, _) in processes.items() if parent in servers]
+    found = processes()
+    servers = children_running(found, "multiprocessing.forkserver")
+    return [int(pid) for pid in children_running(found, WORKER_MODULE)] + \
+        [int(pid) for pid, (parent, _) in found.items() if parent in servers]
 
 
 def kill_forkserver() -> None:
     """Kill this process's forkserver and multiprocessing's resource tracker (its children that run them), and reap
     them; for a node agent that gives up and ends at once: nothing of it may go on running on its node. Once its
     workers are gone: the tracker outlives every process that holds its pipe."""
-    for pid in _children_running(_processes(), "multiprocessing.forkserver", "multiprocessing.resource_tracker"):
+    for pid in children_running(processes(), "multiprocessing.forkserver", "multiprocessing.resource_tracker"):
         with contextlib.suppress(ProcessLookupError):
             os.kill(int(pid), signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(int(pid), 0)
-
-
-def _children_running(processes: dict[str, tuple[str, bytes]], *names: str) -> set[str]:
-    """The pids of this process's children whose command line holds one of ``names``."""
-    me = str(os.getpid())
-    return {pid for pid, (parent, command) in processes.items()
-            if parent == me and any(name.encode() in command for name in names)}
-
-
-def _processes() -> dict[str, tuple[str, bytes]]:
-    """pid -> (parent pid, command line) of every process (/proc)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                parent = entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1]
-                found[entry.name] = (parent, entry.joinpath("cmdline").read_bytes())
-    return found
 
 
 TORCH_RENDEZVOUS_DEFAULTS = {"last_call_timeout": TORCH_LAST_CALL_S, "keep_alive_interval": TORCH_KEEP_ALIVE_S,
